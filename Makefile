@@ -1,0 +1,28 @@
+# The two commands of the README: `make demo` and `make test`. Both install what they need first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+CONFORMANCE := $(PY) -m pytest -p rollgen.conformance --pyargs rollgen.conformance.suite -p no:cacheprovider -q -rs
+
+.PHONY: venv demo test test-unit test-conformance test-gpu
+
+venv:
+	@bash scripts/bootstrap.sh
+
+demo: venv
+	$(VENV)/bin/rollgen demo
+
+test: venv test-unit test-conformance
+
+test-unit:
+	$(PY) -m pytest tests -q -rs
+
+test-conformance:
+	$(CONFORMANCE) --rollgen-backend=hf --rollgen-report=out/conformance-hf.json
+	$(CONFORMANCE) --rollgen-backend=example --rollgen-report=out/conformance-example.json
+
+# On a GPU machine (see docs/gpu-results.md for the exact commands used there).
+test-gpu:
+	$(PY) -m pytest tests -q -rs -m "gpu or gpu2"

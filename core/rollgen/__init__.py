@@ -1,0 +1,60 @@
+"""rollgen: rollout generation for RL post-training, one contract over many engines."""
+
+from rollgen.api import create_generation
+from rollgen.data import BatchedDataDict
+from rollgen.errors import (
+    BackendNotFound,
+    BackendUnavailable,
+    ConfigError,
+    EngineAsleep,
+    EngineClosed,
+    InputError,
+    PluginError,
+    RefitError,
+    RollgenError,
+    UnsupportedCapability,
+    WorkerError,
+)
+from rollgen.hookspecs import hookimpl
+from rollgen.interface import BaseGeneration, GenerationInterface
+from rollgen.refit import WeightBucket, iter_buckets, pack_bucket
+from rollgen.registry import Backend, get_registry
+from rollgen.spec import (
+    SPEC_VERSION,
+    Capability,
+    GenerationConfig,
+    GenerationDatumSpec,
+    GenerationOutputSpec,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SPEC_VERSION",
+    "Backend",
+    "BackendNotFound",
+    "BackendUnavailable",
+    "BaseGeneration",
+    "BatchedDataDict",
+    "Capability",
+    "ConfigError",
+    "EngineAsleep",
+    "EngineClosed",
+    "GenerationConfig",
+    "GenerationDatumSpec",
+    "GenerationInterface",
+    "GenerationOutputSpec",
+    "InputError",
+    "PluginError",
+    "RefitError",
+    "RollgenError",
+    "UnsupportedCapability",
+    "WeightBucket",
+    "WorkerError",
+    "__version__",
+    "create_generation",
+    "get_registry",
+    "hookimpl",
+    "iter_buckets",
+    "pack_bucket",
+]

@@ -1,0 +1,147 @@
+"""The ``rollgen`` command: backends, generate, demo, conformance."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="rollgen: rollout generation for RL post-training.", no_args_is_help=True)
+console = Console()
+
+
+def _backend_rows() -> list[dict[str, Any]]:
+    from rollgen.registry import get_registry
+
+    reg = get_registry()
+    rows = []
+    for name, entry in sorted(reg.backends.items()):
+        rows.append(
+            {
+                "name": name,
+                "plugin": entry.plugin.name,
+                "distribution": entry.plugin.distribution,
+                "version": entry.plugin.version,
+                "capabilities": sorted(c.value for c in entry.backend.capabilities),
+                "importable": entry.available,
+                "status": "ok" if entry.available else "unavailable",
+                "reason": entry.unavailable_reason(),
+                "description": entry.backend.description,
+            }
+        )
+    for plugin in reg.plugins.values():
+        if plugin.status != "ok":
+            rows.append(
+                {
+                    "name": plugin.name,
+                    "plugin": plugin.name,
+                    "distribution": plugin.distribution,
+                    "version": plugin.version,
+                    "capabilities": [],
+                    "importable": False,
+                    "status": plugin.status,
+                    "reason": str(plugin.error) if plugin.error else "disabled by environment",
+                    "description": "",
+                }
+            )
+    return rows
+
+
+@app.command()
+def backends(as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """List installed backends: distribution, version, capabilities, importable or why not."""
+    rows = _backend_rows()
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="rollgen backends")
+    for col in ("name", "distribution", "version", "status", "capabilities / reason"):
+        table.add_column(col)
+    for r in rows:
+        detail = ", ".join(r["capabilities"]) if r["status"] == "ok" else (r["reason"] or "")
+        style = "green" if r["status"] == "ok" else "yellow"
+        table.add_row(r["name"], r["distribution"] or "-", r["version"] or "-", f"[{style}]{r['status']}[/]", detail)
+    console.print(table)
+
+
+def _config(backend: str, model: Optional[str], max_new_tokens: int, extra: Optional[str]) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from rollgen.conformance.base import deep_merge
+    from rollgen.testing.tiny_model import tiny_model_dir
+
+    model_dir = model or tiny_model_dir()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg: dict[str, Any] = {
+        "backend": backend,
+        "model_name": model_dir,
+        "max_new_tokens": max_new_tokens,
+        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        "seed": 0,
+    }
+    from rollgen.registry import get_registry
+
+    for hook_cfg in get_registry().call_hook("rollgen_conformance_config", backend=backend, base=cfg):
+        cfg = deep_merge(cfg, hook_cfg)
+    return deep_merge(cfg, json.loads(extra)) if extra else cfg
+
+
+@app.command()
+def generate(
+    prompts: list[str] = typer.Argument(..., help="prompts to continue"),
+    backend: str = typer.Option("hf", help="backend name"),
+    model: Optional[str] = typer.Option(None, help="local model folder (default: the tiny model)"),
+    max_new_tokens: int = typer.Option(16),
+    greedy: bool = typer.Option(True, help="greedy decoding (else sampling)"),
+    config: Optional[str] = typer.Option(None, help="JSON merged into the config"),
+) -> None:
+    """Generate text continuations with any backend."""
+    import rollgen
+
+    with rollgen.create_generation(_config(backend, model, max_new_tokens, config)) as gen:
+        texts = gen.generate_text({"prompts": list(prompts)}, greedy=greedy)["texts"]
+    for p, t in zip(prompts, texts):
+        console.print(f"[bold]{p}[/]{t}")
+
+
+@app.command()
+def demo(
+    backend: str = typer.Option("hf", help="backend name"),
+    config: Optional[str] = typer.Option(None, help="JSON merged into the config"),
+) -> None:
+    """The main job on the embedded tiny model: generate → refit new weights → generate."""
+    from rollgen.demo import run_demo
+
+    run_demo(backend, _config(backend, None, 12, config), console)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def conformance(
+    ctx: typer.Context,
+    backend: str = typer.Argument(..., help="backend name"),
+    report: Optional[str] = typer.Option(None, help="write the JSON report here"),
+    config: Optional[str] = typer.Option(None, help="JSON merged into the suite's config"),
+) -> None:
+    """Run the conformance suite against BACKEND (extra args go to pytest)."""
+    import pytest
+
+    args = ["-p", "rollgen.conformance", "--pyargs", "rollgen.conformance.suite", f"--rollgen-backend={backend}", "-p", "no:cacheprovider"]
+    if report:
+        args.append(f"--rollgen-report={report}")
+    if config:
+        args.append(f"--rollgen-config={config}")
+    raise typer.Exit(pytest.main(args + list(ctx.args)))
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

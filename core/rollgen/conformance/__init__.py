@@ -1,0 +1,123 @@
+"""The conformance suite's pytest plugin (opt-in: ``-p rollgen.conformance``).
+
+    pytest -p rollgen.conformance --pyargs rollgen.conformance.suite --rollgen-backend=NAME
+
+Options: ``--rollgen-backend`` (required), ``--rollgen-config`` (JSON merged into the suite's
+config, e.g. engine parallelism), ``--rollgen-report`` (write a JSON report). Backends add engine
+keys through the ``rollgen_conformance_config`` hook and list known failures (strict xfails)
+through ``rollgen_conformance_known_failures``.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import rollgen
+from rollgen.conformance.base import BackendConformance
+from rollgen.registry import get_registry
+
+__all__ = ["BackendConformance"]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("rollgen", "rollgen conformance suite")
+    group.addoption("--rollgen-backend", default=None, help="backend name to test")
+    group.addoption(
+        "--rollgen-config",
+        default=None,
+        help="JSON object merged (deeply) into the suite's engine config",
+    )
+    group.addoption("--rollgen-report", default=None, help="write a JSON report to this path")
+
+
+def _backend_header(config: pytest.Config) -> dict[str, Any]:
+    name = config.getoption("--rollgen-backend")
+    header: dict[str, Any] = {
+        "core_version": rollgen.__version__,
+        "spec_version": rollgen.SPEC_VERSION,
+        "backend": name,
+        "python": platform.python_version(),
+        "extra_config": json.loads(config.getoption("--rollgen-config") or "{}"),
+    }
+    if name and name in get_registry().backends:
+        entry = get_registry().backends[name]
+        header.update(
+            distribution=entry.plugin.distribution,
+            version=entry.plugin.version,
+            capabilities=sorted(c.value for c in entry.backend.capabilities),
+            available=entry.available,
+            unavailable_reason=entry.unavailable_reason(),
+        )
+    return header
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    h = _backend_header(config)
+    return [
+        f"rollgen {h['core_version']} (spec v{h['spec_version']}) conformance: backend "
+        f"{h['backend']!r} from {h.get('distribution')} {h.get('version')}",
+        f"capabilities: {', '.join(h.get('capabilities', [])) or '-'}",
+    ]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_RESULTS] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    name = config.getoption("--rollgen-backend")
+    if not name:
+        return
+    known: dict[str, str] = {}
+    for result in get_registry().call_hook("rollgen_conformance_known_failures", backend=name):
+        known.update(result)
+    for item in items:
+        test = getattr(item, "originalname", item.name)
+        reason = known.get(item.name) or known.get(test)
+        if reason:
+            item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
+        _current_config().stash[_RESULTS].append(
+            {
+                "test": report.nodeid.split("::", 1)[-1],
+                "outcome": outcome,
+                "duration_s": round(report.duration, 3),
+                "details": dict(report.user_properties),
+                "reason": str(report.longrepr[2]) if report.skipped and isinstance(report.longrepr, tuple) else None,
+            }
+        )
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = session.config.getoption("--rollgen-report")
+    if not path:
+        return
+    results = session.config.stash[_RESULTS]
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    report = {"header": _backend_header(session.config), "summary": counts, "tests": results}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2, default=str))
+
+
+_RESULTS = pytest.StashKey[list]()
+_CONFIG: list[pytest.Config] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _CONFIG[:] = [session.config]
+
+
+def _current_config() -> pytest.Config:
+    return _CONFIG[0]

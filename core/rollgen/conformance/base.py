@@ -1,0 +1,454 @@
+"""``BackendConformance``: the whole contract as pytest tests. Subclass it to give a backend
+custom fixtures (override ``backend_name``, ``base_config`` or ``make_engine``)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+import rollgen
+from rollgen.errors import (
+    EngineAsleep,
+    EngineClosed,
+    InputError,
+    RefitError,
+    UnsupportedCapability,
+)
+from rollgen.registry import RegisteredBackend, get_registry
+from rollgen.spec import Capability
+from rollgen.testing.reference import (
+    agreement,
+    generated_mask,
+    load_reference_model,
+    teacher_forced_logprobs,
+)
+from rollgen.testing.tiny_model import tiny_model_dir
+
+#: Stated agreement bounds with the teacher-forced HF reference, per engine dtype.
+BOUNDS = {
+    "float32": {"max_abs": 1e-4, "token_mult_prob_error": 1.0001},
+    "bfloat16": {"max_abs": 0.08, "token_mult_prob_error": 1.02},
+}
+#: In bf16 a generated token may differ from the reference argmax only on a near-tie.
+BF16_TIE_GAP = 0.05
+PROMPTS = [
+    "count: 3 4 5",
+    "abc: c d",
+    "count: 17 18 19 20 21 22",
+    "abc: a b c d e f g",
+    "count: 40",
+]
+
+
+def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(dict(base))
+    for k, v in extra.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+class BackendConformance:
+    """The contract. Set ``backend_name`` in a subclass, or pass ``--rollgen-backend``."""
+
+    backend_name: ClassVar[str | None] = None
+    max_new_tokens: ClassVar[int] = 12
+
+    # ---- fixtures ------------------------------------------------------------------------------
+    @pytest.fixture(scope="class")
+    def backend(self, request: pytest.FixtureRequest) -> RegisteredBackend:
+        name = self.backend_name or request.config.getoption("--rollgen-backend", default=None)
+        if not name:
+            pytest.fail("no backend given: pass --rollgen-backend=NAME or set backend_name")
+        entry = get_registry().get(name)
+        if not entry.available:
+            pytest.skip(f"backend {name!r} unavailable here: {entry.unavailable_reason()}")
+        return entry
+
+    @pytest.fixture(scope="class")
+    def caps(self, backend: RegisteredBackend) -> frozenset[Capability]:
+        return backend.backend.capabilities
+
+    @pytest.fixture(scope="class")
+    def model_dir(self) -> str:
+        return tiny_model_dir()
+
+    @pytest.fixture(scope="class")
+    def other_model_dir(self) -> str:
+        """Same architecture, different (untrained) weights: the refit target."""
+        return tiny_model_dir(trained=False)
+
+    @pytest.fixture(scope="class")
+    def tokenizer(self, model_dir: str) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir)
+
+    @pytest.fixture(scope="class")
+    def base_config(
+        self, request: pytest.FixtureRequest, backend: RegisteredBackend, model_dir: str, tokenizer: Any
+    ) -> dict[str, Any]:
+        cfg: dict[str, Any] = {
+            "backend": backend.backend.name,
+            "model_name": model_dir,
+            "max_new_tokens": self.max_new_tokens,
+            "pad_token_id": tokenizer.pad_token_id,
+            "dtype": "float32",
+            "seed": 1234,
+        }
+        for extra in get_registry().call_hook(
+            "rollgen_conformance_config", backend=backend.backend.name, base=cfg
+        ):
+            cfg = deep_merge(cfg, extra)
+        cli = request.config.getoption("--rollgen-config", default=None)
+        return deep_merge(cfg, json.loads(cli)) if cli else cfg
+
+    @pytest.fixture(scope="class")
+    def make_engine(self, base_config: dict[str, Any]) -> Iterator[Callable[..., Any]]:
+        made: list[Any] = []
+
+        def make(**overrides: Any) -> Any:
+            engine = rollgen.create_generation(deep_merge(base_config, overrides))
+            made.append(engine)
+            return engine
+
+        yield make
+        for engine in made:
+            engine.shutdown()
+        gc.collect()
+
+    @pytest.fixture(scope="class")
+    def engine(self, make_engine: Callable[..., Any]) -> Any:
+        return make_engine()
+
+    @pytest.fixture(scope="class")
+    def references(self) -> Callable[[str, str], Any]:
+        cache: dict[tuple[str, str], Any] = {}
+
+        def get(model_dir: str, dtype: str) -> Any:
+            if (model_dir, dtype) not in cache:
+                cache[(model_dir, dtype)] = load_reference_model(model_dir, getattr(torch, dtype))
+            return cache[(model_dir, dtype)]
+
+        return get
+
+    @pytest.fixture(scope="class")
+    def batch(self, tokenizer: Any) -> dict[str, torch.Tensor]:
+        return encode(tokenizer, PROMPTS)
+
+    @pytest.fixture(scope="class")
+    def greedy_out(self, engine: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return engine.generate(batch, greedy=True)
+
+    # ---- registration --------------------------------------------------------------------------
+    def test_registration(self, backend: RegisteredBackend) -> None:
+        b = backend.backend
+        assert all(isinstance(c, Capability) for c in b.capabilities)
+        assert Capability.LOGPROBS in b.capabilities, "every backend must return logprobs"
+        assert backend.plugin.status == "ok"
+
+    # ---- output contract -----------------------------------------------------------------------
+    def test_output_layout(self, greedy_out: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], base_config: dict[str, Any]) -> None:
+        out, pad = greedy_out, base_config["pad_token_id"]
+        ids, lengths = batch["input_ids"], batch["input_lengths"]
+        assert set(out) >= {"output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths"}
+        assert out["output_ids"].dtype == torch.long and out["logprobs"].dtype == torch.float32
+        assert out["generation_lengths"].dtype == torch.long
+        assert out["unpadded_sequence_lengths"].dtype == torch.long
+        gen = out["generation_lengths"]
+        width = ids.shape[1] + int(gen.max())
+        assert out["output_ids"].shape == out["logprobs"].shape == (ids.shape[0], width)
+        assert torch.equal(out["unpadded_sequence_lengths"], lengths + gen)
+        assert (gen >= 1).all() and (gen <= base_config["max_new_tokens"]).all()
+        positions = torch.arange(width).unsqueeze(0)
+        prompt = positions < lengths.unsqueeze(1)
+        tail = positions >= out["unpadded_sequence_lengths"].unsqueeze(1)
+        padded_input = torch.full((ids.shape[0], width), pad)
+        padded_input[:, : ids.shape[1]] = ids
+        assert torch.equal(out["output_ids"][prompt], padded_input[prompt])
+        assert (out["output_ids"][tail] == pad).all()
+        assert (out["logprobs"][prompt | tail] == 0).all()
+        generated = ~(prompt | tail)
+        assert torch.isfinite(out["logprobs"][generated]).all()
+        assert (out["logprobs"][generated] <= 0).all()
+
+    def test_eos_ends_generation(self, greedy_out: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], tokenizer: Any, base_config: dict[str, Any]) -> None:
+        out = greedy_out
+        ended = out["generation_lengths"] < base_config["max_new_tokens"]
+        assert ended.any(), "the tiny model should end some lines with EOS within the budget"
+        last = out["output_ids"].gather(1, (out["unpadded_sequence_lengths"] - 1).unsqueeze(1)).squeeze(1)
+        assert (last[ended] == tokenizer.eos_token_id).all()
+
+    def test_empty_batch(self, engine: Any) -> None:
+        out = engine.generate(
+            {"input_ids": torch.zeros((0, 4), dtype=torch.long), "input_lengths": torch.zeros(0, dtype=torch.long)}
+        )
+        assert out["output_ids"].shape[0] == 0 and out["output_ids"].dtype == torch.long
+        assert out["logprobs"].shape[0] == 0 and out["logprobs"].dtype == torch.float32
+        assert out["generation_lengths"].shape == (0,)
+
+    def test_single_sample_and_padding_width(self, engine: Any, tokenizer: Any, greedy_out: dict[str, torch.Tensor], base_config: dict[str, Any]) -> None:
+        """Extra right padding and batch composition do not change greedy tokens."""
+        one = encode(tokenizer, PROMPTS[:1], extra_pad=5)
+        out = engine.generate(one, greedy=True)
+        n = int(out["unpadded_sequence_lengths"][0])
+        assert torch.equal(out["output_ids"][0, :n], greedy_out["output_ids"][0, :n])
+
+    def test_context_limit(self, engine: Any, tokenizer: Any) -> None:
+        limit = engine.max_model_len
+        ids = torch.full((1, limit - 2), tokenizer.convert_tokens_to_ids("a"), dtype=torch.long)
+        out = engine.generate({"input_ids": ids, "input_lengths": torch.tensor([limit - 2])}, greedy=True)
+        assert int(out["unpadded_sequence_lengths"][0]) <= limit
+
+    # ---- determinism ---------------------------------------------------------------------------
+    def test_greedy_determinism(self, engine: Any, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
+        again = engine.generate(batch, greedy=True)
+        assert torch.equal(again["output_ids"], greedy_out["output_ids"])
+        assert torch.allclose(again["logprobs"], greedy_out["logprobs"], atol=1e-5)
+
+    def test_seeded_reproducibility(self, make_engine: Callable[..., Any], batch: dict[str, torch.Tensor]) -> None:
+        """Two fresh engines with the same seed give the same samples, call after call."""
+        a, b = make_engine(seed=7), make_engine(seed=7)
+        try:
+            first_a, first_b = a.generate(batch), b.generate(batch)
+            assert torch.equal(first_a["output_ids"], first_b["output_ids"])
+            second_a = a.generate(batch)
+            assert torch.equal(second_a["output_ids"], b.generate(batch)["output_ids"])
+            assert not torch.equal(first_a["output_ids"], second_a["output_ids"]), (
+                "successive calls should draw new samples"
+            )
+        finally:
+            a.shutdown()
+            b.shutdown()
+
+    # ---- per-sample settings ---------------------------------------------------------------------
+    def test_per_sample_sampling(self, engine: Any, caps: frozenset[Capability], tokenizer: Any, greedy_out: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> None:
+        data = dict(batch)
+        data["temperature"] = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0])
+        data["max_new_tokens"] = torch.tensor([2, 5, 12, 12, 3])
+        data["seed"] = torch.tensor([1, 2, 3, 4, 5])
+        if Capability.PER_SAMPLE_SAMPLING not in caps:
+            with pytest.raises(UnsupportedCapability):
+                engine.generate(data)
+            pytest.skip("per_sample_sampling not declared (UnsupportedCapability asserted)")
+        out = engine.generate(data)
+        assert (out["generation_lengths"] <= data["max_new_tokens"]).all()
+        for i in (0, 2, 4):  # temperature 0 rows are greedy
+            n = int(out["unpadded_sequence_lengths"][i])
+            assert torch.equal(out["output_ids"][i, :n], greedy_out["output_ids"][i, :n])
+        again = engine.generate(data)
+        assert torch.equal(again["output_ids"], out["output_ids"]), "per-sample seeds reproduce"
+
+    def test_stop_strings_per_sample(self, engine: Any, caps: frozenset[Capability], tokenizer: Any, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
+        texts = generated_texts(tokenizer, greedy_out, batch)
+        stop = texts[0].strip().split(" ")[1] if len(texts[0].split()) > 1 else None
+        assert stop, f"the tiny model's greedy output {texts[0]!r} is too short for this test"
+        data = dict(batch, stop_strings=[[stop], None, ["never-seen"], None, None])
+        if Capability.STOP_STRINGS not in caps:
+            with pytest.raises(UnsupportedCapability):
+                engine.generate(data, greedy=True)
+            pytest.skip("stop_strings not declared (UnsupportedCapability asserted)")
+        out = engine.generate(data, greedy=True)
+        base_len = greedy_out["generation_lengths"]
+        ids0 = greedy_out["output_ids"][0]
+        start = int(batch["input_lengths"][0])
+        expected = next(
+            k for k in range(1, int(base_len[0]) + 1)
+            if stop in tokenizer.decode(ids0[start : start + k].tolist())
+        )
+        assert int(out["generation_lengths"][0]) == expected, "sample 0 stops where its string ends"
+        assert torch.equal(out["generation_lengths"][1:], base_len[1:]), "others are untouched"
+
+    def test_stop_token_ids(self, make_engine: Callable[..., Any], batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
+        start = int(batch["input_lengths"][1])
+        stop_id = int(greedy_out["output_ids"][1, start + 2])
+        engine = make_engine(stop_token_ids=[stop_id])
+        try:
+            out = engine.generate(batch, greedy=True)
+        finally:
+            engine.shutdown()
+        assert int(out["generation_lengths"][1]) <= 3
+        end = int(out["unpadded_sequence_lengths"][1])
+        assert int(out["output_ids"][1, end - 1]) == stop_id, "the stop token is kept"
+
+    def test_text_path(self, engine: Any, caps: frozenset[Capability], tokenizer: Any, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
+        data = {"prompts": PROMPTS}
+        if Capability.TEXT not in caps:
+            with pytest.raises(UnsupportedCapability):
+                engine.generate_text(data, greedy=True)
+            pytest.skip("text not declared (UnsupportedCapability asserted)")
+        texts = engine.generate_text(data, greedy=True)["texts"]
+        assert texts == generated_texts(tokenizer, greedy_out, batch, skip_special=True)
+        assert engine.generate_text({"prompts": []})["texts"] == []
+
+    # ---- agreement with the reference ----------------------------------------------------------
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_reference_agreement(self, request: pytest.FixtureRequest, dtype: str, make_engine: Callable[..., Any], engine: Any, greedy_out: dict[str, torch.Tensor], references: Callable[[str, str], Any], model_dir: str, batch: dict[str, torch.Tensor]) -> None:
+        if dtype == "float32":
+            out = greedy_out
+        else:
+            eng = make_engine(dtype=dtype)
+            try:
+                out = eng.generate(batch, greedy=True)
+            finally:
+                eng.shutdown()
+        stats = check_against_reference(references(model_dir, dtype), out, batch, dtype)
+        for k, v in stats.items():
+            request.node.user_properties.append((k, v))
+
+    # ---- refit ---------------------------------------------------------------------------------
+    def test_refit_follows_new_weights(self, request: pytest.FixtureRequest, engine: Any, caps: frozenset[Capability], references: Callable[[str, str], Any], model_dir: str, other_model_dir: str, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
+        new = references(other_model_dir, "float32")
+        if Capability.REFIT_TENSORS not in caps and Capability.REFIT_IPC not in caps:
+            with pytest.raises(UnsupportedCapability):
+                engine.refit(new.state_dict())
+            pytest.skip("no refit capability declared (UnsupportedCapability asserted)")
+        engine.refit(new, bucket_bytes=64 << 10, dtype=engine.engine_dtype)
+        try:
+            out = engine.generate(batch, greedy=True)
+            assert not torch.equal(out["output_ids"], greedy_out["output_ids"])
+            stats = check_against_reference(new, out, batch, "float32")
+            for k, v in stats.items():
+                request.node.user_properties.append((f"after_refit_{k}", v))
+        finally:
+            old = references(model_dir, "float32")
+            buckets = rollgen.iter_buckets(
+                old, engine.local_transport, bucket_bytes=128 << 10, dtype=engine.engine_dtype
+            )
+            engine.update_weights(list(buckets))
+        restored = engine.generate(batch, greedy=True)
+        assert torch.equal(restored["output_ids"], greedy_out["output_ids"])
+        assert torch.allclose(restored["logprobs"], greedy_out["logprobs"], atol=1e-5)
+
+    def test_bad_refit_rejected(self, engine: Any, caps: frozenset[Capability], references: Callable[[str, str], Any], other_model_dir: str, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
+        good = {k: v.to(engine.engine_dtype) for k, v in references(other_model_dir, "float32").state_dict().items()}
+        name = "model.norm.weight"
+        bad_cases = {
+            "unknown name": {**good, "model.not_a_layer.weight": torch.zeros(3)},
+            "wrong shape": {**good, name: torch.zeros(good[name].shape[0] + 1, dtype=engine.engine_dtype)},
+            "wrong dtype": {**good, name: good[name].to(torch.float16)},
+        }
+        if Capability.REFIT_TENSORS not in caps:
+            pytest.skip("refit_tensors not declared")
+        for label, sd in bad_cases.items():
+            with pytest.raises(RefitError) as info:
+                engine.refit(sd)
+            assert name in str(info.value) or "not_a_layer" in str(info.value), label
+        out = engine.generate(batch, greedy=True)
+        assert torch.equal(out["output_ids"], greedy_out["output_ids"]), "old weights still serve"
+
+    # ---- sleep / wake --------------------------------------------------------------------------
+    def test_sleep_wake(self, engine: Any, caps: frozenset[Capability], references: Callable[[str, str], Any], model_dir: str, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
+        if Capability.SLEEP_WAKE not in caps:
+            with pytest.raises(UnsupportedCapability):
+                engine.finish_generation()
+            pytest.skip("sleep_wake not declared (UnsupportedCapability asserted)")
+        before = device_memory_used()
+        engine.finish_generation()
+        engine.finish_generation()  # idempotent
+        if engine.releases_memory_on_sleep:
+            assert device_memory_used() < before, "sleep should release device memory"
+        with pytest.raises(EngineAsleep):
+            engine.generate(batch, greedy=True)
+        engine.prepare_for_generation(tags=["weights"])
+        if Capability.REFIT_TENSORS in caps:  # the staged refit pattern: weights up, refit, then cache
+            engine.refit(references(model_dir, "float32"), dtype=engine.engine_dtype)
+        engine.prepare_for_generation(tags=["kv_cache"])
+        engine.prepare_for_generation()  # idempotent
+        out = engine.generate(batch, greedy=True)
+        assert torch.equal(out["output_ids"], greedy_out["output_ids"])
+
+    # ---- bad input -----------------------------------------------------------------------------
+    def test_bad_inputs_raise_and_engine_survives(self, engine: Any, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor], base_config: dict[str, Any]) -> None:
+        pad = base_config["pad_token_id"]
+        ids, lengths = batch["input_ids"], batch["input_lengths"]
+        left = ids.clone()
+        n = int(lengths[1])
+        left[1] = pad
+        left[1, ids.shape[1] - n :] = ids[1, :n]
+        cases: dict[str, tuple[dict[str, Any], list[int] | None]] = {
+            "left padded": ({"input_ids": left, "input_lengths": lengths}, [1]),
+            "length too large": ({"input_ids": ids, "input_lengths": lengths.clone().index_fill_(0, torch.tensor([2]), 99)}, [2]),
+            "zero length": ({"input_ids": ids, "input_lengths": lengths.clone().index_fill_(0, torch.tensor([3]), 0)}, [3]),
+            "wrong dtype": ({"input_ids": ids.int(), "input_lengths": lengths}, None),
+            "wrong shape": ({"input_ids": ids[0], "input_lengths": lengths}, None),
+            "too long for context": (
+                {"input_ids": torch.ones((1, engine.max_model_len + 1), dtype=torch.long), "input_lengths": torch.tensor([engine.max_model_len + 1])},
+                [0],
+            ),
+            "bad stop_strings": ({**batch, "stop_strings": [None, "x", None, None, None]}, [1]),
+        }
+        for label, (data, samples) in cases.items():
+            with pytest.raises(InputError) as info:
+                engine.generate(data, greedy=True)
+            if samples is not None:
+                assert info.value.samples == samples, label
+        out = engine.generate(batch, greedy=True)
+        assert torch.equal(out["output_ids"], greedy_out["output_ids"]), "engine still usable"
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def test_shutdown_idempotent(self, make_engine: Callable[..., Any], batch: dict[str, torch.Tensor]) -> None:
+        with make_engine() as engine:
+            engine.generate(batch, greedy=True)
+        engine.shutdown()
+        with pytest.raises(EngineClosed):
+            engine.generate(batch, greedy=True)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def encode(tokenizer: Any, prompts: list[str], extra_pad: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded batch of ``prompts``."""
+    enc = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    lengths = torch.tensor([len(e) for e in enc], dtype=torch.long)
+    ids = torch.full((len(enc), int(lengths.max()) + extra_pad), tokenizer.pad_token_id, dtype=torch.long)
+    for i, e in enumerate(enc):
+        ids[i, : len(e)] = torch.tensor(e)
+    return {"input_ids": ids, "input_lengths": lengths}
+
+
+def generated_texts(tokenizer: Any, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor], skip_special: bool = False) -> list[str]:
+    rows = out["output_ids"].tolist()
+    return [
+        tokenizer.decode(r[s:e], skip_special_tokens=skip_special)
+        for r, s, e in zip(rows, batch["input_lengths"].tolist(), out["unpadded_sequence_lengths"].tolist())
+    ]
+
+
+def check_against_reference(reference: Any, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor], dtype: str) -> dict[str, float]:
+    """Greedy tokens are the reference's argmax; logprobs agree within BOUNDS[dtype]."""
+    lengths = batch["input_lengths"]
+    mask = generated_mask(out, lengths)
+    ref = teacher_forced_logprobs(reference, out["output_ids"], lengths, out["unpadded_sequence_lengths"])
+    stats = agreement(out["logprobs"], ref, mask)
+    with torch.no_grad():
+        width = out["output_ids"].shape[1]
+        att = (torch.arange(width).unsqueeze(0) < out["unpadded_sequence_lengths"].unsqueeze(1)).long()
+        logits = reference(input_ids=out["output_ids"], attention_mask=att).logits.float()
+    logp = logits.log_softmax(-1)
+    best = torch.zeros_like(out["output_ids"])
+    best[:, 1:] = logp[:, :-1].argmax(-1)
+    top = torch.zeros_like(out["logprobs"])
+    top[:, 1:] = logp[:, :-1].max(-1).values
+    mismatch = mask & (best != out["output_ids"])
+    stats["argmax_mismatches"] = int(mismatch.sum())
+    if dtype == "float32":
+        assert stats["argmax_mismatches"] == 0, "greedy tokens differ from the reference argmax"
+    else:
+        gap = (top - ref)[mismatch]
+        assert (gap < BF16_TIE_GAP).all(), f"non-tie greedy mismatch (gaps {gap.tolist()})"
+    bound = BOUNDS[dtype]
+    assert stats["max_abs"] <= bound["max_abs"], stats
+    assert stats["token_mult_prob_error"] <= bound["token_mult_prob_error"], stats
+    return stats
+
+
+def device_memory_used() -> int:
+    if not torch.cuda.is_available():
+        return 0
+    free, total = torch.cuda.mem_get_info()
+    return total - free

@@ -1,0 +1,1 @@
+"""The conformance tests, collected with ``--pyargs rollgen.conformance.suite``."""

@@ -1,0 +1,90 @@
+"""The one error hierarchy of rollgen. Every failure a user can act on is one of these."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class RollgenError(Exception):
+    """Base class of every error rollgen raises on purpose."""
+
+
+class BackendNotFound(RollgenError, LookupError):
+    """No registered backend has the requested name."""
+
+
+class BackendUnavailable(RollgenError):
+    """The backend's plugin is installed but its engine cannot be imported (or the plugin is
+    broken); the cause is chained."""
+
+
+class PluginError(RollgenError):
+    """A plugin registered something invalid (bad name, duplicate, bad capability)."""
+
+
+class ConfigError(RollgenError, ValueError):
+    """The generation config is invalid. ``problems`` lists every problem found."""
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        self.problems = list(problems)
+        if self.problems:
+            message = message + "\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(message)
+
+
+class InputError(RollgenError, ValueError):
+    """A batch violates the input contract. ``samples`` names the offending sample indices;
+    nothing was sent to the engine, which stays usable."""
+
+    def __init__(self, message: str, samples: Sequence[int] = ()) -> None:
+        self.samples = [int(s) for s in samples]
+        super().__init__(message)
+
+
+class UnsupportedCapability(RollgenError, NotImplementedError):
+    """The backend does not declare the capability the call needs."""
+
+    def __init__(self, backend: str, capability: str, what: str) -> None:
+        self.backend = backend
+        self.capability = capability
+        super().__init__(
+            f"backend {backend!r} does not support {what} (capability {capability!r} is not "
+            f"declared); `rollgen backends` lists each backend's capabilities"
+        )
+
+
+class RefitError(RollgenError):
+    """A weight update was rejected or failed. When raised by validation nothing was applied and
+    the engine keeps serving its previous weights."""
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        self.problems = list(problems)
+        if self.problems:
+            shown = self.problems[:20]
+            more = len(self.problems) - len(shown)
+            message = message + "\n" + "\n".join(f"  - {p}" for p in shown)
+            if more:
+                message += f"\n  ... and {more} more"
+        super().__init__(message)
+
+
+class WorkerError(RollgenError):
+    """A remote worker died or raised. ``worker`` names it; ``remote_traceback`` keeps the
+    worker's own traceback when there is one."""
+
+    def __init__(self, worker: str, message: str, remote_traceback: str | None = None) -> None:
+        self.worker = worker
+        self.remote_traceback = remote_traceback
+        text = f"worker {worker}: {message}"
+        if remote_traceback:
+            text += "\n--- remote traceback ---\n" + remote_traceback
+        super().__init__(text)
+
+
+class EngineClosed(RollgenError):
+    """The generation object was shut down; create a new one."""
+
+
+class EngineAsleep(RollgenError):
+    """The engine is asleep (or only partly awake) for what was asked; call
+    ``prepare_for_generation()`` first."""

@@ -1,0 +1,38 @@
+"""Every hook a rollgen plugin can implement (pluggy project ``rollgen``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from rollgen.registry import Backend
+
+PROJECT = "rollgen"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def rollgen_register_backends(register: Callable[[Backend], None]) -> None:
+    """Register this plugin's backends by calling ``register(Backend(...))`` once per backend.
+
+    Keep the plugin module light: name the factory by import path; do not import the engine.
+    """
+
+
+@hookspec
+def rollgen_conformance_config(backend: str, base: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """Return config keys the conformance suite should merge into ``base`` when it creates
+    ``backend`` (engine sub-dicts such as ``vllm_cfg``), or None to leave it unchanged."""
+
+
+@hookspec
+def rollgen_conformance_known_failures(backend: str) -> Mapping[str, str] | None:
+    """Return ``{test name: reason}`` for conformance tests known to fail on ``backend``.
+
+    They run as strict xfails: a known failure that starts passing fails the run, so the list
+    stays true.
+    """

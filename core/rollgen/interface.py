@@ -1,0 +1,287 @@
+"""``GenerationInterface`` (the contract) and ``BaseGeneration`` (the behaviour every backend
+shares: validation, per-sample settings, seeds, wake/sleep state, refit checks, the text path)."""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from rollgen import refit as refit_mod
+from rollgen.data import BatchedDataDict
+from rollgen.errors import EngineAsleep, EngineClosed, InputError, RefitError, UnsupportedCapability
+from rollgen.model_info import ModelInfo
+from rollgen.output import empty_output
+from rollgen.refit import WeightBucket, WeightSpec
+from rollgen.sampling import SampleParams, resolve_sampling, truncate_at_stop
+from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
+
+logger = logging.getLogger(__name__)
+
+WAKE_TAGS = ("weights", "kv_cache")
+
+
+class GenerationInterface(ABC):
+    """What a trainer calls. Every backend implements this, usually through BaseGeneration."""
+
+    @abstractmethod
+    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        """Right-padded ``input_ids``/``input_lengths`` in; GenerationOutputSpec out."""
+
+    @abstractmethod
+    def generate_text(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        """``{"prompts": [str], "stop_strings"?: [...]}`` in; ``{"texts": [str]}`` out."""
+
+    @abstractmethod
+    def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
+        """Wake (all of it, or only ``tags`` such as ``["weights"]`` then ``["kv_cache"]``)."""
+
+    @abstractmethod
+    def finish_generation(self) -> None:
+        """Sleep: reset the prefix cache and release memory where the backend can."""
+
+    @abstractmethod
+    def update_weights(self, buckets: WeightBucket | Iterable[WeightBucket]) -> None:
+        """Apply packed weight buckets (validated first; RefitError leaves old weights)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the engine. Idempotent."""
+
+    def __enter__(self) -> GenerationInterface:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class BaseGeneration(GenerationInterface):
+    """Shared behaviour. A backend implements ``_generate`` and the ``_``-prefixed engine hooks."""
+
+    #: Transport ``refit()`` packs local sources with; backends override.
+    local_transport: refit_mod.Transport = "tensors"
+
+    def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
+        from rollgen.registry import get_registry
+
+        self.cfg = dict(config)
+        self.cluster = cluster
+        self.backend = backend or get_registry().get(self.cfg["backend"]).backend
+        self.model_info = ModelInfo.from_dir(self.cfg["model_name"])
+        self.max_model_len = int(self.cfg.get("max_model_len") or self.model_info.max_position_embeddings)
+        self._awake = set(WAKE_TAGS)
+        self._closed = False
+        self._tokenizer: Any = None
+        self._weight_spec: WeightSpec | None = None
+        seed = self.cfg.get("seed")
+        self._seed_rng = None if seed is None else torch.Generator().manual_seed(int(seed))
+        if self.cfg.get("logprobs_mode") == "processed":
+            self.require(Capability.PROCESSED_LOGPROBS, "logprobs_mode='processed'")
+
+    # ---- capabilities and state -------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    @property
+    def capabilities(self) -> frozenset[Capability]:
+        return self.backend.capabilities
+
+    def require(self, capability: Capability, what: str) -> None:
+        if capability not in self.capabilities:
+            raise UnsupportedCapability(self.name, capability.value, what)
+
+    @property
+    def releases_memory_on_sleep(self) -> bool:
+        """Whether ``finish_generation`` really frees device memory here (False: honest no-op)."""
+        return False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosed(f"{self.name} generation was shut down; create a new one")
+
+    def _check_awake(self, tags: Iterable[str], what: str) -> None:
+        asleep = [t for t in tags if t not in self._awake]
+        if asleep:
+            raise EngineAsleep(
+                f"cannot {what}: {', '.join(asleep)} asleep; call prepare_for_generation()"
+            )
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        from rollgen.validation import validate_generation_input
+
+        self._check_open()
+        self._check_awake(WAKE_TAGS, "generate")
+        batch = validate_generation_input(
+            data,
+            pad_token_id=self.cfg["pad_token_id"],
+            vocab_size=self.model_info.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+        if batch.get("stop_strings") is not None and any(batch["stop_strings"]):
+            self.require(Capability.STOP_STRINGS, "per-sample stop_strings")
+        if self.cfg.get("stop_strings"):
+            self.require(Capability.STOP_STRINGS, "stop_strings")
+        if any(k in batch for k in PER_SAMPLE_SAMPLING_KEYS if k != "seed"):
+            self.require(Capability.PER_SAMPLE_SAMPLING, "per-sample sampling settings")
+        width = batch["input_ids"].shape[1]
+        if batch.size == 0:
+            return empty_output(width)
+        if "seed" not in batch and self._seed_rng is not None and not greedy:
+            batch["seed"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_rng)
+        return self._generate(batch, greedy)
+
+    def sample_params(self, batch: Mapping[str, Any], greedy: bool) -> list[SampleParams]:
+        """Per-sample settings for a validated batch (used by backends inside ``_generate``)."""
+        return resolve_sampling(self.cfg, batch, greedy, self.max_model_len)
+
+    @abstractmethod
+    def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
+        """Generate for a validated, non-empty batch; return GenerationOutputSpec."""
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.cfg["model_name"])
+        return self._tokenizer
+
+    def generate_text(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        self._check_open()
+        self.require(Capability.TEXT, "generate_text")
+        prompts = data.get("prompts") if isinstance(data, Mapping) else None
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise InputError('generate_text takes {"prompts": [str, ...]}')
+        if not prompts:
+            return BatchedDataDict({"texts": []})
+        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        empty = [i for i, e in enumerate(encoded) if not e]
+        if empty:
+            raise InputError(f"sample(s) {empty}: prompt encodes to no tokens", empty)
+        lengths = torch.tensor([len(e) for e in encoded], dtype=torch.long)
+        ids = torch.full((len(encoded), int(lengths.max())), self.cfg["pad_token_id"], dtype=torch.long)
+        for i, e in enumerate(encoded):
+            ids[i, : len(e)] = torch.tensor(e)
+        batch: dict[str, Any] = {"input_ids": ids, "input_lengths": lengths}
+        if data.get("stop_strings") is not None:
+            batch["stop_strings"] = data["stop_strings"]
+        out = self.generate(batch, greedy=greedy)
+        starts, ends = lengths.tolist(), out["unpadded_sequence_lengths"].tolist()
+        rows = out["output_ids"].tolist()
+        texts = self.tokenizer.batch_decode(
+            [r[s:e] for r, s, e in zip(rows, starts, ends)], skip_special_tokens=True
+        )
+        stops = data.get("stop_strings") or [None] * len(prompts)
+        base = tuple(self.cfg.get("stop_strings") or ())
+        texts = [truncate_at_stop(t, base + tuple(s or ())) for t, s in zip(texts, stops)]
+        return BatchedDataDict({"texts": texts})
+
+    # ---- sleep / wake -------------------------------------------------------------------------
+    def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
+        self._check_open()
+        self.require(Capability.SLEEP_WAKE, "prepare_for_generation (wake)")
+        wanted = list(WAKE_TAGS if tags is None else tags)
+        unknown = [t for t in wanted if t not in WAKE_TAGS]
+        if unknown:
+            raise InputError(f"unknown wake tags {unknown}; use {list(WAKE_TAGS)}")
+        todo = [t for t in WAKE_TAGS if t in wanted and t not in self._awake]
+        if todo:
+            self._wake(todo)
+            self._awake.update(todo)
+
+    def finish_generation(self) -> None:
+        self._check_open()
+        self.require(Capability.SLEEP_WAKE, "finish_generation (sleep)")
+        if self._awake:
+            self._sleep()
+            self._awake.clear()
+
+    def _wake(self, tags: list[str]) -> None:
+        """Bring ``tags`` back onto the device."""
+
+    def _sleep(self) -> None:
+        """Reset the prefix cache and release memory."""
+
+    # ---- refit --------------------------------------------------------------------------------
+    @property
+    def weight_spec(self) -> WeightSpec:
+        """What a refit may send: HF checkpoint names, full (unsharded) shapes, engine dtype."""
+        if self._weight_spec is None:
+            self._weight_spec = self._expected_weights()
+        return self._weight_spec
+
+    def _expected_weights(self) -> WeightSpec:
+        from rollgen.testing.reference import meta_state_spec
+
+        return meta_state_spec(self.cfg["model_name"], self.engine_dtype)
+
+    @property
+    def engine_dtype(self) -> torch.dtype:
+        """The dtype the engine holds weights in."""
+        return resolve_dtype(self.cfg.get("dtype", "auto"), self.model_info)
+
+    def check_weights(self, metas: Iterable[refit_mod.TensorMeta]) -> None:
+        """RefitError (listing every problem) unless every tensor matches the served model."""
+        refit_mod.check_against_spec(metas, self.weight_spec)
+
+    def update_weights(self, buckets: WeightBucket | Iterable[WeightBucket]) -> None:
+        self._check_open()
+        self._check_awake(["weights"], "update weights")
+        items = [buckets] if isinstance(buckets, WeightBucket) else list(buckets)
+        for b in items:
+            if not isinstance(b, WeightBucket):
+                raise RefitError(f"update_weights takes WeightBucket(s), got {type(b).__name__}")
+            self.require(refit_mod.TRANSPORT_CAPABILITY[b.transport], f"refit over {b.transport}")
+        self.check_weights(m for b in items for m in b.metas)
+        for b in items:
+            self._apply_bucket(b)
+        self._reset_prefix_cache()
+
+    def refit(
+        self,
+        source: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        bucket_bytes: int = refit_mod.DEFAULT_BUCKET_BYTES,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Push a local model or state dict into the engine: validate everything, then stream
+        bounded buckets over ``local_transport``. ``dtype`` casts while packing."""
+        self._check_open()
+        self._check_awake(["weights"], "refit")
+        self.require(refit_mod.TRANSPORT_CAPABILITY[self.local_transport], "refit")
+        spec = refit_mod.source_spec(source, dtype)
+        self.check_weights(refit_mod.TensorMeta(n, s, d) for n, (s, d) in spec.items())
+        for bucket in refit_mod.iter_buckets(
+            source, self.local_transport, bucket_bytes=bucket_bytes, dtype=dtype
+        ):
+            self._apply_bucket(bucket)
+        self._reset_prefix_cache()
+
+    @abstractmethod
+    def _apply_bucket(self, bucket: WeightBucket) -> None:
+        """Load one validated bucket into the engine."""
+
+    def _reset_prefix_cache(self) -> None:
+        """Invalidate cached prefixes (after a refit, before sleep)."""
+
+    # ---- shutdown -----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Free the engine."""
+
+
+def resolve_dtype(name: str, info: ModelInfo) -> torch.dtype:
+    """The torch dtype for a config ``dtype`` ("auto": the checkpoint's, else float32)."""
+    if name == "auto":
+        name = info.torch_dtype or "float32"
+    return getattr(torch, name)

@@ -1,0 +1,36 @@
+"""What rollgen reads from a local HF-format model folder without loading weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollgen.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    vocab_size: int
+    max_position_embeddings: int
+    torch_dtype: str | None
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_dir(cls, path: str) -> ModelInfo:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(
+                f"model_name {path!r} is not a local model folder with a config.json "
+                "(rollgen loads models from disk; `rollgen.testing.tiny_model_dir()` builds one)"
+            )
+        raw = json.loads(config_file.read_text())
+        text = raw.get("text_config", raw)
+        return cls(
+            path=str(path),
+            vocab_size=int(text["vocab_size"]),
+            max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
+            torch_dtype=text.get("torch_dtype") or text.get("dtype"),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        )

@@ -1,0 +1,74 @@
+"""Vectorised output assembly: generated tokens and logprobs into the GenerationOutputSpec layout."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
+from typing import Any
+
+import torch
+
+from rollgen.data import BatchedDataDict
+
+
+def pad_ragged(
+    rows: Sequence[Sequence[float]] | Sequence[Sequence[int]],
+    pad_value: float | int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` of different lengths → ([B, max_len] right-padded tensor, lengths [B])."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    width = int(lengths.max()) if len(rows) else 0
+    out = torch.full((len(rows), width), pad_value, dtype=dtype)
+    if width:
+        mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+        out[mask] = torch.tensor(list(chain.from_iterable(rows)), dtype=dtype)
+    return out, lengths
+
+
+def empty_output(width: int = 0) -> BatchedDataDict[Any]:
+    """The correctly typed output of an empty batch."""
+    return BatchedDataDict(
+        {
+            "output_ids": torch.zeros((0, width), dtype=torch.long),
+            "logprobs": torch.zeros((0, width), dtype=torch.float32),
+            "generation_lengths": torch.zeros(0, dtype=torch.long),
+            "unpadded_sequence_lengths": torch.zeros(0, dtype=torch.long),
+        }
+    )
+
+
+def assemble_output(
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    gen_ids: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    gen_lengths: torch.Tensor,
+    pad_token_id: int,
+) -> BatchedDataDict[Any]:
+    """Place each sample's generation right after its unpadded prompt.
+
+    ``gen_ids``/``gen_logprobs`` are [B, G'] (G' >= the longest generation); entries past
+    ``gen_lengths`` are ignored. Output width is L + G with G = max(gen_lengths).
+    """
+    batch, width = input_ids.shape
+    gen_width = int(gen_lengths.max()) if batch else 0
+    total = width + gen_width
+    output_ids = torch.full((batch, total), pad_token_id, dtype=torch.long)
+    logprobs = torch.zeros((batch, total), dtype=torch.float32)
+    output_ids[:, :width] = input_ids
+    if gen_width:
+        cols = torch.arange(gen_width).unsqueeze(0)
+        valid = cols < gen_lengths.unsqueeze(1)
+        rows = torch.arange(batch).unsqueeze(1).expand(-1, gen_width)
+        dest = input_lengths.unsqueeze(1) + cols
+        output_ids[rows[valid], dest[valid]] = gen_ids[:, :gen_width][valid].long()
+        logprobs[rows[valid], dest[valid]] = gen_logprobs[:, :gen_width][valid].float()
+    return BatchedDataDict(
+        {
+            "output_ids": output_ids,
+            "logprobs": logprobs,
+            "generation_lengths": gen_lengths.long(),
+            "unpadded_sequence_lengths": input_lengths.long() + gen_lengths.long(),
+        }
+    )

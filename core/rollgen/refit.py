@@ -1,0 +1,216 @@
+"""Weight refit: trainer-side bucketing, the transports, and validation before apply.
+
+Transports (``WeightBucket.transport``):
+- ``tensors``: the tensors themselves (in-process, or copied through the Ray object store);
+- ``shared_memory``: CPU tensors in shared memory, sent as a few KB of handles (zero-copy when the
+  trainer's tensors already live in shared memory; otherwise one bucket-sized copy);
+- ``cuda_ipc``: CUDA IPC handles keyed by device UUID, for trainer and engine on the same GPUs.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from multiprocessing.reduction import ForkingPickler
+
+from rollgen.errors import RefitError
+from rollgen.spec import Capability
+
+Transport = Literal["tensors", "shared_memory", "cuda_ipc"]
+TRANSPORT_CAPABILITY: dict[str, Capability] = {
+    "tensors": Capability.REFIT_TENSORS,
+    "shared_memory": Capability.REFIT_TENSORS,
+    "cuda_ipc": Capability.REFIT_IPC,
+}
+DEFAULT_BUCKET_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorMeta:
+        return cls(name, tuple(tensor.shape), dtype_name(tensor.dtype))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+WeightSpec = dict[str, tuple[tuple[int, ...], str]]
+
+
+@dataclass
+class WeightBucket:
+    """A bounded group of named tensors, packed for one transport. Picklable."""
+
+    transport: Transport
+    metas: tuple[TensorMeta, ...]
+    payload: Any
+    _keepalive: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"transport": self.transport, "metas": self.metas, "payload": self.payload}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _keepalive=[])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_numel(m.shape) * _itemsize(m.dtype) for m in self.metas)
+
+    def unpack(self, device: torch.device | str | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The named tensors, on the engine side (for ``cuda_ipc``, on this process's device)."""
+        if self.transport == "tensors":
+            tensors = list(self.payload)
+        elif self.transport == "shared_memory":
+            torch.multiprocessing.set_sharing_strategy("file_system")
+            tensors = pickle.loads(self.payload)
+        elif self.transport == "cuda_ipc":
+            tensors = _rebuild_ipc(self.payload, device)
+        else:
+            raise RefitError(f"unknown refit transport {self.transport!r}")
+        return [(m.name, t) for m, t in zip(self.metas, tensors, strict=True)]
+
+
+def named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a module's state dict or of a mapping."""
+    items = source.state_dict().items() if isinstance(source, torch.nn.Module) else source.items()
+    for name, tensor in items:
+        yield name, tensor.detach()
+
+
+def source_spec(
+    source: torch.nn.Module | Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> WeightSpec:
+    """Names, shapes and dtypes of what ``source`` would send (after the cast to ``dtype``)."""
+    return {
+        n: (tuple(t.shape), dtype_name(dtype or t.dtype)) for n, t in named_tensors(source)
+    }
+
+
+def iter_buckets(
+    source: torch.nn.Module | Mapping[str, torch.Tensor],
+    transport: Transport,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+) -> Iterator[WeightBucket]:
+    """Trainer-side helper: pack ``source`` into buckets of at most ``bucket_bytes`` (a tensor
+    larger than that is a bucket of its own). Buckets are made one at a time, so a cast or a copy
+    into shared memory never holds more than one bucket beyond the model."""
+    group: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors(source):
+        nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
+        if group and size + nbytes > bucket_bytes:
+            yield pack_bucket(group, transport, dtype=dtype)
+            group, size = [], 0
+        group.append((name, tensor))
+        size += nbytes
+    if group:
+        yield pack_bucket(group, transport, dtype=dtype)
+
+
+def pack_bucket(
+    named: Iterable[tuple[str, torch.Tensor]],
+    transport: Transport,
+    *,
+    dtype: torch.dtype | None = None,
+) -> WeightBucket:
+    """Pack named tensors for ``transport`` (casting to ``dtype`` first when given)."""
+    names, tensors = [], []
+    for name, tensor in named:
+        t = tensor.detach()
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        names.append(name)
+        tensors.append(t.contiguous())
+    metas = tuple(TensorMeta.of(n, t) for n, t in zip(names, tensors))
+    if transport == "tensors":
+        return WeightBucket(transport, metas, tensors)
+    if transport == "shared_memory":
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        shared = [t if t.device.type == "cpu" else t.cpu() for t in tensors]
+        for t in shared:
+            t.share_memory_()
+        buf = io.BytesIO()
+        ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(shared)
+        return WeightBucket(transport, metas, buf.getvalue(), _keepalive=shared)
+    if transport == "cuda_ipc":
+        return WeightBucket(transport, metas, _ipc_handles(tensors), _keepalive=tensors)
+    raise RefitError(f"unknown refit transport {transport!r}; use tensors, shared_memory or cuda_ipc")
+
+
+def device_uuid(device: torch.device | int | None = None) -> str:
+    """The UUID of a CUDA device, the key of CUDA IPC payloads."""
+    return str(torch.cuda.get_device_properties(device or torch.cuda.current_device()).uuid)
+
+
+def _ipc_handles(tensors: list[torch.Tensor]) -> dict[str, list[Any]]:
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if not tensors:
+        return {}
+    device = tensors[0].device
+    if device.type != "cuda" or any(t.device != device for t in tensors):
+        raise RefitError("cuda_ipc buckets need all tensors on one CUDA device")
+    return {device_uuid(device): [reduce_tensor(t) for t in tensors]}
+
+
+def _rebuild_ipc(payload: dict[str, list[Any]], device: torch.device | str | None) -> list[torch.Tensor]:
+    index = torch.device(device).index if device is not None else None
+    index = torch.cuda.current_device() if index is None else index
+    uuid = device_uuid(index)
+    if uuid not in payload:
+        raise RefitError(
+            f"no CUDA IPC handles for this engine's GPU {uuid}; the payload has {sorted(payload)}. "
+            "cuda_ipc needs trainer and engine colocated on the same GPUs"
+        )
+    tensors = []
+    for rebuild, args in payload[uuid]:
+        args = list(args)
+        args[6] = index  # the producer's device index → ours (same physical GPU)
+        tensors.append(rebuild(*args))
+    return tensors
+
+
+def check_against_spec(metas: Iterable[TensorMeta], expected: WeightSpec) -> None:
+    """Raise RefitError listing every unknown name, shape or dtype mismatch."""
+    problems = []
+    for m in metas:
+        if m.name not in expected:
+            problems.append(f"{m.name}: not a parameter of the served model")
+            continue
+        shape, dtype = expected[m.name]
+        if tuple(m.shape) != tuple(shape):
+            problems.append(f"{m.name}: shape {list(m.shape)}, the model has {list(shape)}")
+        if m.dtype != dtype:
+            problems.append(
+                f"{m.name}: dtype {m.dtype}, the model has {dtype} (pass dtype= to cast)"
+            )
+    if problems:
+        raise RefitError(
+            f"weight update rejected ({len(problems)} problem(s)); nothing was applied and the "
+            "engine keeps its previous weights",
+            problems,
+        )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize

@@ -1,0 +1,231 @@
+"""Backend registry: entry-point discovery, registration checks, lazy engine loading.
+
+Environment (the one place these are defined):
+- ``ROLLGEN_PLUGINS``: comma-separated entry-point names; when set, only these plugins load.
+- ``ROLLGEN_DISABLE_PLUGINS``: comma-separated entry-point names that never load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib.metadata import EntryPoint, entry_points
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from rollgen import hookspecs
+from rollgen.errors import BackendNotFound, BackendUnavailable, PluginError
+from rollgen.spec import Capability
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "rollgen"
+ALLOW_ENV = "ROLLGEN_PLUGINS"
+BLOCK_ENV = "ROLLGEN_DISABLE_PLUGINS"
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
+_FACTORY = re.compile(r"^[\w.]+:[\w.]+$")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend, as a plugin registers it. Everything here is light: no engine import."""
+
+    name: str
+    factory: str
+    config_type: type
+    capabilities: frozenset[Capability]
+    requires: tuple[str, ...] = ()
+    install_hint: str = ""
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise PluginError(f"backend name {self.name!r} must match {_NAME.pattern}")
+        if not isinstance(self.factory, str) or not _FACTORY.match(self.factory):
+            raise PluginError(f"backend {self.name!r}: factory must be 'module:attribute'")
+        if not (isinstance(self.config_type, type) and hasattr(self.config_type, "__required_keys__")):
+            raise PluginError(f"backend {self.name!r}: config_type must be a TypedDict class")
+        known = {c.value for c in Capability}
+        unknown = sorted(str(c) for c in self.capabilities if str(c) not in known)
+        if unknown:
+            raise PluginError(
+                f"backend {self.name!r}: unknown capabilities {unknown}; known: {sorted(known)}"
+            )
+        object.__setattr__(
+            self, "capabilities", frozenset(Capability(str(c)) for c in self.capabilities)
+        )
+
+
+@dataclass
+class PluginRecord:
+    """One discovered plugin (an entry point) and how its loading went."""
+
+    name: str
+    distribution: str | None
+    version: str | None
+    status: str = "ok"  # ok | broken | disabled
+    error: BaseException | None = None
+    backends: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RegisteredBackend:
+    backend: Backend
+    plugin: PluginRecord
+
+    def missing_requirements(self) -> list[str]:
+        """Import names the engine needs that are not installed (checked without importing)."""
+        return [m for m in self.backend.requires if importlib.util.find_spec(m) is None]
+
+    @property
+    def available(self) -> bool:
+        return not self.missing_requirements()
+
+    def unavailable_reason(self) -> str | None:
+        missing = self.missing_requirements()
+        if not missing:
+            return None
+        hint = f"; install it with: {self.backend.install_hint}" if self.backend.install_hint else ""
+        return f"engine not importable (missing {', '.join(missing)}){hint}"
+
+    def load_factory(self) -> Callable[..., Any]:
+        """Import the backend's factory; BackendUnavailable (cause chained) when that fails."""
+        reason = self.unavailable_reason()
+        if reason:
+            raise BackendUnavailable(f"backend {self.backend.name!r}: {reason}")
+        module_name, _, attr = self.backend.factory.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+        except (ImportError, AttributeError) as exc:
+            raise BackendUnavailable(
+                f"backend {self.backend.name!r} (plugin {self.plugin.name!r}) could not import "
+                f"its engine from {self.backend.factory!r}: {exc}. {self.backend.install_hint}"
+            ) from exc
+        return obj
+
+
+def _env_list(env: Mapping[str, str], key: str) -> set[str] | None:
+    raw = env.get(key)
+    if raw is None:
+        return None
+    return {x.strip() for x in raw.split(",") if x.strip()}
+
+
+class Registry:
+    """Loads plugins, collects their backends, keeps broken plugins apart."""
+
+    def __init__(
+        self,
+        eps: Iterable[EntryPoint] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.plugins: dict[str, PluginRecord] = {}
+        self.backends: dict[str, RegisteredBackend] = {}
+        env = os.environ if env is None else env
+        allow, block = _env_list(env, ALLOW_ENV), _env_list(env, BLOCK_ENV)
+        for ep in entry_points(group=ENTRY_POINT_GROUP) if eps is None else eps:
+            dist = getattr(ep, "dist", None)
+            record = PluginRecord(ep.name, dist.name if dist else None, dist.version if dist else None)
+            if ep.name in self.plugins:
+                logger.warning("plugin %r is provided twice; keeping the first", ep.name)
+                continue
+            self.plugins[ep.name] = record
+            if (allow is not None and ep.name not in allow) or (block and ep.name in block):
+                record.status = "disabled"
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:  # noqa: BLE001 - a broken plugin is recorded, never fatal
+                self._broken(record, exc)
+                continue
+            self.add_plugin(module, record)
+
+    def add_plugin(self, plugin: ModuleType | object, record: PluginRecord) -> None:
+        """Register a plugin object (module or instance with hookimpls) and its backends."""
+        self.plugins.setdefault(record.name, record)
+        try:
+            self.pm.register(plugin, name=record.name)
+            self.pm.check_pending()
+        except (ValueError, pluggy.PluginValidationError) as exc:
+            if self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
+            self._broken(record, exc)
+            return
+        impls = [
+            i for i in self.pm.hook.rollgen_register_backends.get_hookimpls()
+            if i.plugin_name == record.name
+        ]
+        pending: list[Backend] = []
+        for impl in impls:
+            try:
+                impl.function(register=pending.append)
+                seen: set[str] = set()
+                for backend in pending:
+                    if not isinstance(backend, Backend):
+                        raise PluginError(f"register() takes a rollgen.Backend, got {backend!r}")
+                    if backend.name in self.backends:
+                        owner = self.backends[backend.name].plugin.name
+                        raise PluginError(
+                            f"backend {backend.name!r} is already registered by plugin {owner!r}"
+                        )
+                    if backend.name in seen:
+                        raise PluginError(f"backend {backend.name!r} is registered twice")
+                    seen.add(backend.name)
+            except Exception as exc:  # noqa: BLE001 - isolate a faulty plugin, keep the others
+                self.pm.unregister(plugin)
+                self._broken(record, exc)
+                return
+        for backend in pending:
+            self.backends[backend.name] = RegisteredBackend(backend, record)
+            record.backends.append(backend.name)
+
+    def _broken(self, record: PluginRecord, exc: BaseException) -> None:
+        record.status, record.error = "broken", exc
+        logger.warning("rollgen plugin %r failed to load: %s", record.name, exc)
+
+    def get(self, name: str) -> RegisteredBackend:
+        """The backend called ``name``: BackendNotFound / BackendUnavailable otherwise."""
+        if name in self.backends:
+            return self.backends[name]
+        if name in self.plugins and self.plugins[name].status == "broken":
+            record = self.plugins[name]
+            raise BackendUnavailable(
+                f"plugin {name!r} ({record.distribution or 'unknown distribution'}) is broken: "
+                f"{record.error}"
+            ) from record.error
+        installed = ", ".join(sorted(self.backends)) or "none"
+        broken = [p.name for p in self.plugins.values() if p.status == "broken"]
+        disabled = [p.name for p in self.plugins.values() if p.status == "disabled"]
+        extra = f"; broken plugins: {', '.join(broken)}" if broken else ""
+        extra += f"; disabled by {ALLOW_ENV}/{BLOCK_ENV}: {', '.join(disabled)}" if disabled else ""
+        raise BackendNotFound(
+            f"no rollgen backend named {name!r}. Installed: {installed}{extra}. Built-in engines "
+            "come as extras (pip install 'rollgen[hf]', 'rollgen[vllm]', 'rollgen[sglang]'); a "
+            "third-party backend is a distribution with an entry point in group 'rollgen'"
+        )
+
+    def call_hook(self, hook: str, **kwargs: Any) -> list[Any]:
+        """Call a hook on every loaded plugin; results without Nones."""
+        return [r for r in getattr(self.pm.hook, hook)(**kwargs) if r is not None]
+
+
+_registry: Registry | None = None
+
+
+def get_registry(refresh: bool = False) -> Registry:
+    """The process-wide registry, discovered once (``refresh=True`` rediscovers)."""
+    global _registry
+    if _registry is None or refresh:
+        _registry = Registry()
+    return _registry

@@ -1,0 +1,68 @@
+"""Per-sample sampling settings: the config's values, overridden by per-sample batch keys."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class SampleParams:
+    """Everything an engine needs to decode one sample. ``top_k`` -1 means off; greedy is
+    ``temperature == 0``."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    stop_strings: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    seed: int | None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def resolve_sampling(
+    cfg: Mapping[str, Any], data: Mapping[str, Any], greedy: bool, max_model_len: int
+) -> list[SampleParams]:
+    """One SampleParams per sample of ``data``. ``max_new_tokens`` is capped so that prompt plus
+    generation fits in ``max_model_len``."""
+    batch = data["input_ids"].shape[0]
+    lengths = data["input_lengths"].tolist()
+
+    def column(key: str, default: Any) -> list[Any]:
+        if key in data:
+            return torch.as_tensor(data[key]).tolist()
+        return [default] * batch
+
+    temps = [0.0] * batch if greedy else column("temperature", float(cfg["temperature"]))
+    top_ps = column("top_p", float(cfg["top_p"]))
+    top_ks = column("top_k", -1 if cfg["top_k"] is None else int(cfg["top_k"]))
+    budgets = column("max_new_tokens", int(cfg["max_new_tokens"]))
+    seeds = column("seed", None)
+    stops = data.get("stop_strings") or [None] * batch
+    base_stops = tuple(cfg.get("stop_strings") or ())
+    stop_ids = tuple(cfg.get("stop_token_ids") or ())
+    return [
+        SampleParams(
+            temperature=float(temps[i]),
+            top_p=1.0 if greedy else float(top_ps[i]),
+            top_k=-1 if greedy else int(top_ks[i]),
+            max_new_tokens=max(1, min(int(budgets[i]), max_model_len - lengths[i])),
+            stop_strings=tuple(dict.fromkeys(base_stops + tuple(stops[i] or ()))),
+            stop_token_ids=stop_ids,
+            seed=None if seeds[i] is None else int(seeds[i]),
+        )
+        for i in range(batch)
+    ]
+
+
+def truncate_at_stop(text: str, stop_strings: tuple[str, ...] | list[str]) -> str:
+    """Cut ``text`` right after the earliest stop string (kept, as in the token output)."""
+    ends = [text.find(s) + len(s) for s in stop_strings if s in text]
+    return text[: min(ends)] if ends else text

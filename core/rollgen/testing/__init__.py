@@ -1,0 +1,16 @@
+"""Testing helpers shipped with the core: a deterministic tiny model and an HF reference."""
+
+from rollgen.testing.reference import (
+    agreement,
+    load_reference_model,
+    teacher_forced_logprobs,
+)
+from rollgen.testing.tiny_model import TinyModelRecipe, tiny_model_dir
+
+__all__ = [
+    "TinyModelRecipe",
+    "agreement",
+    "load_reference_model",
+    "teacher_forced_logprobs",
+    "tiny_model_dir",
+]

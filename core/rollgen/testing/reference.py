@@ -1,0 +1,71 @@
+"""The trainer's view: an independent HF transformers pass that scores generated sequences."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rollgen.refit import WeightSpec, dtype_name
+
+
+def load_reference_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.eval()
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(
+    model: Any,
+    output_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    unpadded_sequence_lengths: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Logprob of every generated token under ``model`` (as a trainer recomputes them), in the
+    GenerationOutputSpec layout: 0 on prompt and padding positions."""
+    batch, width = output_ids.shape
+    positions = torch.arange(width).unsqueeze(0)
+    mask = positions < unpadded_sequence_lengths.unsqueeze(1)
+    ids = output_ids.clamp(min=0, max=model.config.vocab_size - 1)
+    logits = model(input_ids=ids, attention_mask=mask.long()).logits.float()
+    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
+    scored = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    out = torch.zeros((batch, width), dtype=torch.float32)
+    out[:, 1:] = scored
+    generated = (positions >= input_lengths.unsqueeze(1)) & mask
+    return out * generated
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """max |Δlogp|, mean |Δlogp| and NeMo-RL's token_mult_prob_error (mean exp|Δlogp|)."""
+    diff = (a.float() - b.float()).abs()[mask]
+    if diff.numel() == 0:
+        return {"max_abs": 0.0, "mean_abs": 0.0, "token_mult_prob_error": 1.0, "tokens": 0}
+    return {
+        "max_abs": float(diff.max()),
+        "mean_abs": float(diff.mean()),
+        "token_mult_prob_error": float(diff.exp().mean()),
+        "tokens": int(diff.numel()),
+    }
+
+
+def generated_mask(out: dict[str, torch.Tensor], input_lengths: torch.Tensor) -> torch.Tensor:
+    """True at the generated positions of a GenerationOutputSpec."""
+    positions = torch.arange(out["output_ids"].shape[1]).unsqueeze(0)
+    return (positions >= input_lengths.unsqueeze(1)) & (
+        positions < out["unpadded_sequence_lengths"].unsqueeze(1)
+    )
+
+
+def meta_state_spec(model_dir: str, dtype: torch.dtype) -> WeightSpec:
+    """Names and full shapes of the HF model's state dict (built on the meta device: no memory),
+    with ``dtype``: what a refit of this model sends."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {n: (tuple(t.shape), dtype_name(dtype)) for n, t in model.state_dict().items()}

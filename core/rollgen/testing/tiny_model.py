@@ -1,0 +1,157 @@
+"""A deterministic tiny Qwen2 causal LM with a locally trained byte-level BPE tokenizer.
+
+Trained briefly on a learnable corpus (counting and alphabet runs) so that its next-token
+distributions are peaked: greedy decoding is then stable across engines and dtypes. Built once
+per recipe and cached on disk under a key of the recipe's content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+EOS, PAD = "<|endoftext|>", "<|pad|>"
+_RECIPE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TinyModelRecipe:
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = False
+    train_steps: int = 300
+    batch_size: int = 32
+    seq_len: int = 48
+    learning_rate: float = 3e-3
+    seed: int = 0
+
+    def key(self) -> str:
+        import torch
+
+        blob = json.dumps(
+            {**asdict(self), "v": _RECIPE_VERSION, "torch": torch.__version__.split("+")[0]},
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def corpus(seed: int = 0, lines: int = 4000) -> list[str]:
+    """Counting and alphabet runs, e.g. ``count: 3 4 5 6`` and ``abc: c d e f``."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    out = []
+    for _ in range(lines):
+        if rng.random() < 0.5:
+            start = rng.randrange(0, 60)
+            out.append("count: " + " ".join(str(n) for n in range(start, start + rng.randrange(4, 14))))
+        else:
+            start = rng.randrange(0, 20)
+            run = letters[start : start + rng.randrange(4, 12)]
+            out.append("abc: " + " ".join(run))
+    return out
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ROLLGEN_CACHE_DIR", Path.home() / ".cache" / "rollgen"))
+
+
+def tiny_model_dir(recipe: TinyModelRecipe | None = None, trained: bool = True) -> str:
+    """Path of the tiny model folder for ``recipe`` (built on first use, then cached)."""
+    recipe = recipe or TinyModelRecipe()
+    if not trained:
+        recipe = TinyModelRecipe(**{**asdict(recipe), "train_steps": 0})
+    target = cache_root() / "models" / f"tiny-qwen2-{recipe.key()}"
+    if (target / "model.safetensors").is_file():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+    try:
+        _build(recipe, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first; theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return str(target)
+
+
+def _build(recipe: TinyModelRecipe, out: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    logger.info("building tiny model %s in %s", recipe.key(), out)
+    text = corpus(recipe.seed)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        text,
+        trainers.BpeTrainer(
+            vocab_size=recipe.vocab_size - 8,
+            special_tokens=[EOS, PAD],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD)
+    tokenizer.save_pretrained(out)
+    eos_id, pad_id = tokenizer.convert_tokens_to_ids([EOS, PAD])
+
+    config = Qwen2Config(
+        vocab_size=recipe.vocab_size,
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_hidden_layers,
+        num_attention_heads=recipe.num_attention_heads,
+        num_key_value_heads=recipe.num_key_value_heads,
+        max_position_embeddings=recipe.max_position_embeddings,
+        tie_word_embeddings=recipe.tie_word_embeddings,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(recipe.seed)
+    model = Qwen2ForCausalLM(config)
+    if recipe.train_steps:
+        _train(model, tokenizer, text, recipe, eos_id)
+    model.eval()
+    model.generation_config.pad_token_id = pad_id
+    model.save_pretrained(out, safe_serialization=True)
+
+
+def _train(model, tokenizer, text: list[str], recipe: TinyModelRecipe, eos_id: int) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    stream: list[int] = []
+    for line in text:
+        stream.extend(tokenizer(line, add_special_tokens=False)["input_ids"] + [eos_id])
+    data = torch.tensor(stream, dtype=torch.long)
+    gen = torch.Generator().manual_seed(recipe.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate)
+    model.train()
+    for _ in range(recipe.train_steps):
+        starts = torch.randint(0, len(data) - recipe.seq_len - 1, (recipe.batch_size,), generator=gen)
+        batch = torch.stack([data[s : s + recipe.seq_len] for s in starts.tolist()])
+        loss = model(input_ids=batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    logger.info("tiny model trained %d steps, final loss %.3f", recipe.train_steps, loss.item())

@@ -1,0 +1,126 @@
+"""Input validation: every contract violation is found before any engine work and reported as an
+``InputError`` that names the offending samples."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from rollgen.data import BatchedDataDict
+from rollgen.errors import InputError
+from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS
+
+_MAX_NAMED = 8
+
+
+def _names(rows: torch.Tensor | list[int]) -> tuple[list[int], str]:
+    idx = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+    shown = ", ".join(str(i) for i in idx[:_MAX_NAMED])
+    if len(idx) > _MAX_NAMED:
+        shown += f", ... ({len(idx)} in all)"
+    return idx, shown
+
+
+def _fail(rows: torch.Tensor | list[int], what: str) -> None:
+    idx, shown = _names(rows)
+    raise InputError(f"sample(s) {shown}: {what}", idx)
+
+
+def validate_generation_input(
+    data: Mapping[str, Any],
+    *,
+    pad_token_id: int,
+    vocab_size: int,
+    max_model_len: int,
+) -> BatchedDataDict[Any]:
+    """Check ``data`` against GenerationDatumSpec; return it as a BatchedDataDict."""
+    if not isinstance(data, Mapping):
+        raise InputError(f"generate() takes a dict of tensors, got {type(data).__name__}")
+    missing = [k for k in ("input_ids", "input_lengths") if k not in data]
+    if missing:
+        raise InputError(f"batch is missing required key(s) {missing}")
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise InputError("input_ids must be a 2-D LongTensor [batch, length] (right-padded)")
+    if ids.dtype != torch.long:
+        raise InputError(f"input_ids must have dtype torch.long, got {ids.dtype}")
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1:
+        raise InputError("input_lengths must be a 1-D LongTensor [batch]")
+    if lengths.dtype != torch.long:
+        raise InputError(f"input_lengths must have dtype torch.long, got {lengths.dtype}")
+    batch, width = ids.shape
+    if lengths.shape[0] != batch:
+        raise InputError(f"input_lengths has {lengths.shape[0]} entries for a batch of {batch}")
+    ids, lengths = ids.cpu(), lengths.cpu()
+
+    bad = (lengths < 1) | (lengths > width)
+    if bad.any():
+        _fail(bad.nonzero().flatten(), f"input_lengths must be in [1, {width}] (the padded width)")
+    too_long = lengths >= max_model_len
+    if too_long.any():
+        _fail(
+            too_long.nonzero().flatten(),
+            f"prompt is {int(lengths[too_long].max())} tokens; the model's context is "
+            f"{max_model_len}, which leaves no room to generate. Shorten the prompt or raise "
+            "max_model_len",
+        )
+    positions = torch.arange(width).unsqueeze(0)
+    padding = positions >= lengths.unsqueeze(1)
+    not_padded = ((ids != pad_token_id) & padding).any(dim=1)
+    if not_padded.any():
+        rows = not_padded.nonzero().flatten()
+        left = (ids[rows, 0] == pad_token_id).any()
+        hint = (
+            "looks left-padded; rollgen takes right-padded input_ids"
+            if left
+            else "has non-pad tokens past input_lengths"
+        )
+        _fail(rows, f"{hint} (pad_token_id={pad_token_id})")
+    out_of_vocab = ((ids < 0) | (ids >= vocab_size)) & ~padding
+    if out_of_vocab.any():
+        _fail(out_of_vocab.any(dim=1).nonzero().flatten(), f"token ids outside [0, {vocab_size})")
+
+    checked = BatchedDataDict(dict(data))
+    checked["input_ids"], checked["input_lengths"] = ids, lengths
+    _check_stop_strings(checked, batch)
+    _check_per_sample(checked, batch)
+    return checked
+
+
+def _check_stop_strings(data: BatchedDataDict[Any], batch: int) -> None:
+    stops = data.get("stop_strings")
+    if stops is None:
+        return
+    if not isinstance(stops, list) or len(stops) != batch:
+        raise InputError(f"stop_strings must be a list with one entry per sample ({batch})")
+    bad = [
+        i
+        for i, s in enumerate(stops)
+        if s is not None and not (isinstance(s, list) and all(isinstance(x, str) and x for x in s))
+    ]
+    if bad:
+        _fail(bad, "stop_strings entry must be None or a list of non-empty strings")
+
+
+def _check_per_sample(data: BatchedDataDict[Any], batch: int) -> None:
+    for key in PER_SAMPLE_SAMPLING_KEYS:
+        if key not in data:
+            continue
+        value = torch.as_tensor(data[key])
+        if value.shape != (batch,):
+            raise InputError(f"per-sample {key!r} must have shape [{batch}], got {list(value.shape)}")
+        if key == "temperature":
+            bad = value < 0
+        elif key == "top_p":
+            bad = (value <= 0) | (value > 1)
+        elif key == "top_k":
+            bad = (value < -1) | (value == 0)
+        elif key == "max_new_tokens":
+            bad = value < 1
+        else:
+            bad = torch.zeros(batch, dtype=torch.bool)
+        if bad.any():
+            _fail(bad.nonzero().flatten(), f"invalid per-sample {key}")
+        data[key] = value

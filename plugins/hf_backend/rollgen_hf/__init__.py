@@ -1,0 +1,1 @@
+"""rollgen's Hugging Face transformers backend (``"hf"``): the CPU reference implementation."""

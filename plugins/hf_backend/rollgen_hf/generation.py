@@ -1,0 +1,102 @@
+"""``HfGeneration``: the contract on a transformers causal LM, in process."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollgen.data import BatchedDataDict
+from rollgen.interface import BaseGeneration
+from rollgen.output import assemble_output
+from rollgen.refit import WeightBucket, WeightSpec, dtype_name
+from rollgen_hf.decode import decode
+
+logger = logging.getLogger(__name__)
+
+
+class HfGeneration(BaseGeneration):
+    """Runs the model with transformers on one device. Logprobs are raw (log-softmax of the
+    unprocessed logits) unless ``logprobs_mode="processed"``."""
+
+    local_transport = "tensors"
+
+    def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
+        super().__init__(config, cluster=cluster, backend=backend)
+        hf_cfg = self.cfg.get("hf_cfg") or {}
+        device = hf_cfg.get("device", "auto")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        kwargs = dict(self.cfg.get("hf_kwargs") or {})
+        if "attn_implementation" in hf_cfg:
+            kwargs["attn_implementation"] = hf_cfg["attn_implementation"]
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.cfg["model_name"], dtype=self.engine_dtype, **kwargs
+        ).to(self.device).eval()
+        eos = self.model.generation_config.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self._generator = torch.Generator()
+        if self.cfg.get("seed") is not None:
+            self._generator.manual_seed(int(self.cfg["seed"]))
+
+    @property
+    def releases_memory_on_sleep(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
+        params = self.sample_params(batch, greedy)
+        stop_strings = [p.stop_strings for p in params]
+
+        def stop_hit(row: int, tokens: list[int]) -> bool:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            return any(s in text for s in stop_strings[row])
+
+        decoded = decode(
+            self.model,
+            batch["input_ids"],
+            batch["input_lengths"],
+            params,
+            pad_token_id=self.cfg["pad_token_id"],
+            eos_token_ids=self.eos_token_ids,
+            processed_logprobs=self.cfg["logprobs_mode"] == "processed",
+            stop_hit=stop_hit,
+            generator=self._generator,
+        )
+        return assemble_output(
+            batch["input_ids"],
+            batch["input_lengths"],
+            decoded.tokens,
+            decoded.logprobs,
+            decoded.lengths,
+            self.cfg["pad_token_id"],
+        )
+
+    def _expected_weights(self) -> WeightSpec:
+        return {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in self.model.state_dict().items()}
+
+    @torch.no_grad()
+    def _apply_bucket(self, bucket: WeightBucket) -> None:
+        state = self.model.state_dict()
+        for name, tensor in bucket.unpack():
+            state[name].copy_(tensor)
+
+    def _sleep(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def _wake(self, tags: list[str]) -> None:
+        if self.device.type == "cuda" and "weights" in tags:
+            self.model.to(self.device)
+
+    def _shutdown(self) -> None:
+        del self.model
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

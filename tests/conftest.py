@@ -1,0 +1,20 @@
+import pytest
+
+from rollgen.testing.tiny_model import tiny_model_dir
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def pad_id(model_dir: str) -> int:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).pad_token_id
+
+
+@pytest.fixture(scope="session")
+def hf_config(model_dir: str, pad_id: int) -> dict:
+    return {"backend": "hf", "model_name": model_dir, "max_new_tokens": 8, "pad_token_id": pad_id, "dtype": "float32"}

@@ -1,0 +1,6 @@
+from rollgen import hookimpl
+
+
+@hookimpl
+def rollgen_no_such_hook():
+    return None

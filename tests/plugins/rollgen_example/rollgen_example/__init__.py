@@ -1,0 +1,1 @@
+"""An example third-party rollgen backend (``"example"``), installed from its own pyproject."""

@@ -1,0 +1,60 @@
+"""The example engine: greedy or sampled decoding by recomputing the full sequence each step."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollgen import BaseGeneration, BatchedDataDict, WeightBucket
+from rollgen.output import assemble_output, pad_ragged
+
+
+class ExampleGeneration(BaseGeneration):
+    local_transport = "tensors"
+
+    def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
+        super().__init__(config, cluster=cluster, backend=backend)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.cfg["model_name"], dtype=self.engine_dtype
+        ).eval()
+        eos = self.model.generation_config.eos_token_id
+        self.stop_ids = set(eos if isinstance(eos, list) else [eos]) | set(self.cfg["stop_token_ids"] or [])
+        self.rng = torch.Generator()
+        if self.cfg["seed"] is not None:
+            self.rng.manual_seed(self.cfg["seed"])
+
+    @torch.no_grad()
+    def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
+        rows, lps = [], []
+        for ids, n in zip(batch["input_ids"], batch["input_lengths"].tolist()):
+            seq = ids[:n].tolist()
+            budget = max(1, min(self.cfg["max_new_tokens"], self.max_model_len - n))
+            gen, gen_lp = [], []
+            for _ in range(budget):
+                logits = self.model(input_ids=torch.tensor([seq + gen])).logits[0, -1].float()
+                logp = logits.log_softmax(-1)
+                if greedy or self.cfg["temperature"] == 0:
+                    token = int(logits.argmax())
+                else:
+                    probs = (logits / self.cfg["temperature"]).softmax(-1)
+                    token = int(torch.multinomial(probs, 1, generator=self.rng))
+                gen.append(token)
+                gen_lp.append(float(logp[token]))
+                if token in self.stop_ids:
+                    break
+            rows.append(gen)
+            lps.append(gen_lp)
+        gen_ids, lengths = pad_ragged(rows, 0, torch.long)
+        gen_lps, _ = pad_ragged(lps, 0.0, torch.float32)
+        return assemble_output(
+            batch["input_ids"], batch["input_lengths"], gen_ids, gen_lps, lengths, self.cfg["pad_token_id"]
+        )
+
+    @torch.no_grad()
+    def _apply_bucket(self, bucket: WeightBucket) -> None:
+        state = self.model.state_dict()
+        for name, tensor in bucket.unpack():
+            state[name].copy_(tensor)

@@ -1,0 +1,70 @@
+"""create_generation: typed, complete errors before any engine work; the engine stays usable."""
+
+import pytest
+import torch
+
+import rollgen
+from rollgen import BackendNotFound, ConfigError, InputError
+
+
+def test_unknown_backend_names_what_is_installed(hf_config: dict) -> None:
+    with pytest.raises(BackendNotFound) as info:
+        rollgen.create_generation({**hf_config, "backend": "nope"})
+    assert "'nope'" in str(info.value) and "hf" in str(info.value) and "pip install" in str(info.value)
+
+
+def test_missing_backend_key(hf_config: dict) -> None:
+    cfg = dict(hf_config)
+    del cfg["backend"]
+    with pytest.raises(ConfigError, match="'backend'"):
+        rollgen.create_generation(cfg)
+
+
+def test_every_problem_is_listed_at_once(hf_config: dict) -> None:
+    cfg = {**hf_config, "temperature": "hot", "top_p": 1.5, "max_new_tokens": 0, "tempreature": 1.0}
+    del cfg["pad_token_id"]
+    with pytest.raises(ConfigError) as info:
+        rollgen.create_generation(cfg)
+    text = str(info.value)
+    for key in ("temperature", "top_p", "max_new_tokens", "pad_token_id", "tempreature"):
+        assert key in text
+    assert len(info.value.problems) == 5
+
+
+def test_engine_sub_dict_is_validated(hf_config: dict) -> None:
+    with pytest.raises(ConfigError, match="hf_cfg.devcie"):
+        rollgen.create_generation({**hf_config, "hf_cfg": {"devcie": "cpu"}})
+
+
+def test_model_dir_must_exist(hf_config: dict, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="config.json"):
+        rollgen.create_generation({**hf_config, "model_name": str(tmp_path)})
+
+
+def test_left_padding_and_overlong_prompt_then_engine_works(hf_config: dict, pad_id: int) -> None:
+    with rollgen.create_generation(hf_config) as gen:
+        ids = torch.tensor([[5, 6, 7, pad_id], [pad_id, pad_id, 8, 9]])
+        with pytest.raises(InputError, match="left-padded") as info:
+            gen.generate({"input_ids": ids, "input_lengths": torch.tensor([3, 2])})
+        assert info.value.samples == [1]
+        long = torch.full((2, 300), 7)
+        with pytest.raises(InputError, match="context") as info:
+            gen.generate({"input_ids": long, "input_lengths": torch.tensor([10, 300])})
+        assert info.value.samples == [1]
+        good = gen.generate({"input_ids": ids[:1], "input_lengths": torch.tensor([3])}, greedy=True)
+        assert good["generation_lengths"][0] >= 1
+
+
+def test_processed_logprobs_follow_temperature(hf_config: dict, pad_id: int) -> None:
+    """logprobs_mode='processed': logprobs of the tempered distribution (raw is the default)."""
+    from rollgen.testing import load_reference_model, teacher_forced_logprobs
+    from rollgen.testing.reference import agreement, generated_mask
+
+    ids = torch.tensor([[5, 6, 7]])
+    lengths = torch.tensor([3])
+    ref = load_reference_model(hf_config["model_name"])
+    for mode, temp in (("processed", 0.7), ("raw", 1.0)):
+        with rollgen.create_generation({**hf_config, "logprobs_mode": mode, "temperature": 0.7, "seed": 3}) as gen:
+            out = gen.generate({"input_ids": ids, "input_lengths": lengths})
+        expected = teacher_forced_logprobs(ref, out["output_ids"], lengths, out["unpadded_sequence_lengths"], temperature=temp)
+        assert agreement(out["logprobs"], expected, generated_mask(out, lengths))["max_abs"] < 1e-4

@@ -1,0 +1,65 @@
+"""Refit transports and validation, across a real process boundary for shared memory."""
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+import rollgen
+from rollgen import RefitError
+from rollgen.refit import TensorMeta, check_against_spec, iter_buckets
+
+
+def _receiver(conn) -> None:
+    bucket = conn.recv()
+    named = bucket.unpack()
+    for _, t in named:
+        t.add_(1)  # writes land in the sender's memory: zero-copy
+    conn.send([n for n, _ in named])
+
+
+def test_shared_memory_bucket_is_zero_copy_across_processes() -> None:
+    sd = {"a": torch.zeros(4), "b": torch.ones(2, 3)}
+    bucket = next(iter_buckets(sd, "shared_memory"))
+    assert len(bucket.payload) < 4096
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(child,))
+    proc.start()
+    parent.send(bucket)
+    assert parent.recv() == ["a", "b"]
+    proc.join(30)
+    assert torch.equal(bucket._keepalive[0], torch.ones(4))
+
+
+def test_buckets_are_bounded_and_cast() -> None:
+    sd = {f"w{i}": torch.zeros(256) for i in range(10)}  # 1 KiB each in fp32
+    buckets = list(iter_buckets(sd, "tensors", bucket_bytes=1500, dtype=torch.bfloat16))
+    assert [len(b.metas) for b in buckets] == [2, 2, 2, 2, 2]
+    assert all(m.dtype == "bfloat16" for b in buckets for m in b.metas)
+
+
+def test_validation_lists_every_problem() -> None:
+    spec = {"a": ((2,), "float32"), "b": ((3,), "float32")}
+    metas = [TensorMeta("a", (3,), "float32"), TensorMeta("b", (3,), "bfloat16"), TensorMeta("c", (1,), "float32")]
+    with pytest.raises(RefitError) as info:
+        check_against_spec(metas, spec)
+    assert len(info.value.problems) == 3
+
+
+def test_refit_matches_independent_hf(hf_config: dict) -> None:
+    """Refit the HF engine with perturbed weights; logprobs follow an independent HF model."""
+    from rollgen.testing import load_reference_model, teacher_forced_logprobs
+    from rollgen.testing.reference import agreement, generated_mask
+
+    new = load_reference_model(hf_config["model_name"])
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
+    with rollgen.create_generation(hf_config) as engine:
+        engine.refit(new.state_dict())
+        out = engine.generate(batch)
+    ref = teacher_forced_logprobs(new, out["output_ids"], batch["input_lengths"], out["unpadded_sequence_lengths"])
+    assert agreement(out["logprobs"], ref, generated_mask(out, batch["input_lengths"]))["max_abs"] < 1e-4
