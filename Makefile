@@ -22,6 +22,11 @@ test-unit:
 test-conformance:
 	$(CONFORMANCE) --rollgen-backend=hf --rollgen-report=out/conformance-hf.json
 	$(CONFORMANCE) --rollgen-backend=example --rollgen-report=out/conformance-example.json
+	$(CONFORMANCE) --rollgen-backend=vllm --rollgen-report=out/conformance-vllm-tp1.json
+	$(CONFORMANCE) --rollgen-backend=vllm --rollgen-report=out/conformance-vllm-dp2.json \
+	  --rollgen-config='{"vllm_cfg": {"data_parallel_size": 2}}'
+	$(CONFORMANCE) --rollgen-backend=vllm --rollgen-report=out/conformance-vllm-tp2.json \
+	  --rollgen-config='{"vllm_cfg": {"tensor_parallel_size": 2}}'
 
 # On a GPU machine (see docs/gpu-results.md for the exact commands used there).
 test-gpu:

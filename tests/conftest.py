@@ -18,3 +18,14 @@ def pad_id(model_dir: str) -> int:
 @pytest.fixture(scope="session")
 def hf_config(model_dir: str, pad_id: int) -> dict:
     return {"backend": "hf", "model_name": model_dir, "max_new_tokens": 8, "pad_token_id": pad_id, "dtype": "float32"}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "gpu" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "gpu2" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two CUDA GPUs"))

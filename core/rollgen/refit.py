@@ -3,7 +3,9 @@
 Transports (``WeightBucket.transport``):
 - ``tensors``: the tensors themselves (in-process, or copied through the Ray object store);
 - ``shared_memory``: CPU tensors in shared memory, sent as a few KB of handles (zero-copy when the
-  trainer's tensors already live in shared memory; otherwise one bucket-sized copy);
+  trainer's tensors already live in shared memory; otherwise one bucket-sized copy). Handles are
+  made each time the bucket is pickled, one set per receiver, so pack it in the process that
+  sends it to the engines (across processes, use ``tensors``);
 - ``cuda_ipc``: CUDA IPC handles keyed by device UUID, for trainer and engine on the same GPUs.
 """
 
@@ -58,7 +60,13 @@ class WeightBucket:
     _keepalive: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"transport": self.transport, "metas": self.metas, "payload": self.payload}
+        payload = self.payload
+        if self.transport == "shared_memory" and self._keepalive:
+            # torch's file_system handles open once per pickle: fresh handles for each receiver
+            buf = io.BytesIO()
+            ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(self._keepalive)
+            payload = buf.getvalue()
+        return {"transport": self.transport, "metas": self.metas, "payload": payload}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _keepalive=[])
@@ -67,13 +75,21 @@ class WeightBucket:
     def nbytes(self) -> int:
         return sum(_numel(m.shape) * _itemsize(m.dtype) for m in self.metas)
 
+    def resolve(self) -> WeightBucket:
+        """Map a received shared-memory bucket into this process (its handles open once), so it
+        can be unpacked here and re-sent onwards with fresh handles. Returns self."""
+        if self.transport == "shared_memory" and not self._keepalive:
+            torch.multiprocessing.set_sharing_strategy("file_system")
+            self._keepalive = pickle.loads(self.payload)
+            self.payload = None
+        return self
+
     def unpack(self, device: torch.device | str | None = None) -> list[tuple[str, torch.Tensor]]:
         """The named tensors, on the engine side (for ``cuda_ipc``, on this process's device)."""
         if self.transport == "tensors":
             tensors = list(self.payload)
         elif self.transport == "shared_memory":
-            torch.multiprocessing.set_sharing_strategy("file_system")
-            tensors = pickle.loads(self.payload)
+            tensors = self.resolve()._keepalive
         elif self.transport == "cuda_ipc":
             tensors = _rebuild_ipc(self.payload, device)
         else:
@@ -104,20 +120,30 @@ def iter_buckets(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
 ) -> Iterator[WeightBucket]:
-    """Trainer-side helper: pack ``source`` into buckets of at most ``bucket_bytes`` (a tensor
-    larger than that is a bucket of its own). Buckets are made one at a time, so a cast or a copy
-    into shared memory never holds more than one bucket beyond the model."""
+    """Trainer-side helper: pack ``source`` into buckets of about ``bucket_bytes``. Buckets are
+    made one at a time, so a cast or a copy into shared memory never holds more than one bucket
+    beyond the model. Tensors of one module group (``module_group``) never straddle two buckets:
+    engines fuse siblings such as q/k/v or gate/up and must receive them together."""
     group: list[tuple[str, torch.Tensor]] = []
     size = 0
+    last_key = None
     for name, tensor in named_tensors(source):
         nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
-        if group and size + nbytes > bucket_bytes:
+        key = module_group(name)
+        if group and key != last_key and size + nbytes > bucket_bytes:
             yield pack_bucket(group, transport, dtype=dtype)
             group, size = [], 0
         group.append((name, tensor))
         size += nbytes
+        last_key = key
     if group:
         yield pack_bucket(group, transport, dtype=dtype)
+
+
+def module_group(name: str) -> str:
+    """The grandparent module of a parameter (``model.layers.3.self_attn.q_proj.weight`` →
+    ``model.layers.3.self_attn``): the unit engines fuse parameters within."""
+    return name.rsplit(".", 2)[0]
 
 
 def pack_bucket(
@@ -142,28 +168,42 @@ def pack_bucket(
         shared = [t if t.device.type == "cpu" else t.cpu() for t in tensors]
         for t in shared:
             t.share_memory_()
-        buf = io.BytesIO()
-        ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(shared)
-        return WeightBucket(transport, metas, buf.getvalue(), _keepalive=shared)
+        return WeightBucket(transport, metas, None, _keepalive=shared)
     if transport == "cuda_ipc":
-        return WeightBucket(transport, metas, _ipc_handles(tensors), _keepalive=tensors)
+        payload, keep = _ipc_handles(tensors)
+        return WeightBucket(transport, metas, payload, _keepalive=keep)
     raise RefitError(f"unknown refit transport {transport!r}; use tensors, shared_memory or cuda_ipc")
 
 
 def device_uuid(device: torch.device | int | None = None) -> str:
     """The UUID of a CUDA device, the key of CUDA IPC payloads."""
-    return str(torch.cuda.get_device_properties(device or torch.cuda.current_device()).uuid)
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device).uuid)
 
 
-def _ipc_handles(tensors: list[torch.Tensor]) -> dict[str, list[Any]]:
+def _ipc_handles(tensors: list[torch.Tensor]) -> tuple[dict[str, list[Any]], list[torch.Tensor]]:
+    """Handles for every target GPU: the tensors' own GPU, or (for CPU tensors) one copy per
+    visible GPU, so each tensor-parallel rank finds its device's handles by UUID."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     if not tensors:
-        return {}
-    device = tensors[0].device
-    if device.type != "cuda" or any(t.device != device for t in tensors):
-        raise RefitError("cuda_ipc buckets need all tensors on one CUDA device")
-    return {device_uuid(device): [reduce_tensor(t) for t in tensors]}
+        return {}, []
+    on = {t.device for t in tensors}
+    if len(on) > 1:
+        raise RefitError(f"cuda_ipc bucket tensors sit on several devices {sorted(map(str, on))}")
+    source = on.pop()
+    if source.type == "cuda":
+        targets = [source]
+    elif torch.cuda.is_available():
+        targets = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    else:
+        raise RefitError("cuda_ipc needs CUDA; use the shared_memory transport on CPU")
+    payload: dict[str, list[Any]] = {}
+    keep: list[torch.Tensor] = []
+    for device in targets:
+        copies = [t.to(device) for t in tensors]
+        payload[device_uuid(device)] = [reduce_tensor(t) for t in copies]
+        keep.extend(copies)
+    return payload, keep
 
 
 def _rebuild_ipc(payload: dict[str, list[Any]], device: torch.device | str | None) -> list[torch.Tensor]:

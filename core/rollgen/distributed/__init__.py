@@ -1,0 +1,6 @@
+"""Ray orchestration shared by every backend: virtual clusters, tied worker groups."""
+
+from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
+
+__all__ = ["RayVirtualCluster", "RayWorkerBuilder", "RayWorkerGroup", "TiedGroup", "init_ray"]

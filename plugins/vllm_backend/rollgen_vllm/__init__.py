@@ -1,0 +1,1 @@
+"""rollgen's vLLM backend (``"vllm"``): vLLM engines in Ray actors, TP tied groups, DP sharding."""

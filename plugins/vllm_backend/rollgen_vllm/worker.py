@@ -1,0 +1,152 @@
+"""``VllmWorker``: the Ray actor that owns one vLLM engine (the leader of a tied group)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import pickle
+from typing import Any
+
+import torch
+
+from rollgen.data import BatchedDataDict
+from rollgen.distributed.worker_groups import TiedGroup
+from rollgen.errors import RollgenError
+from rollgen.output import assemble_output, pad_ragged
+
+logger = logging.getLogger(__name__)
+
+
+class VllmWorker:
+    """Owns ``vllm.LLM``. TP > 1 on GPU: vLLM's Ray executor over the group's bundles; on CPU
+    (no Ray executor there): vLLM's ``mp`` executor inside this actor."""
+
+    def __init__(self, cfg: dict[str, Any], use_gpus: bool, group: TiedGroup, index: int) -> None:
+        import ray
+
+        self.cfg, self.index = cfg, index
+        vcfg = cfg["vllm_cfg"]
+        tp = self.tp = vcfg["tensor_parallel_size"]
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        if vcfg["in_process"]:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # engine-core processes must join this cluster, not start their own
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+        if use_gpus and tp > 1:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            os.environ["VLLM_RAY_PER_WORKER_GPUS"] = str(1.0 / tp)
+            os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, group.bundle_indices))
+            executor: str | None = "ray"
+        else:
+            executor = "mp" if tp > 1 else None
+        if not use_gpus:
+            os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+            if tp > 1:
+                cores = os.cpu_count() or 1
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                    str((index * tp + r) % cores) for r in range(tp)
+                )
+        import vllm
+
+        self.sleep_enabled = bool(vcfg["enable_sleep_mode"])
+        kwargs: dict[str, Any] = {
+            "model": cfg["model_name"],
+            "dtype": cfg["_engine_dtype"],
+            "tensor_parallel_size": tp,
+            "distributed_executor_backend": executor,
+            "enforce_eager": vcfg["enforce_eager"],
+            "max_model_len": cfg["_max_model_len"],
+            "worker_extension_cls": "rollgen_vllm.extension.RollgenWorkerExtension",
+            "enable_sleep_mode": self.sleep_enabled,
+            "load_format": vcfg["load_format"],
+            "seed": 0 if cfg["seed"] is None else int(cfg["seed"]),
+            "generation_config": "vllm",
+            "disable_log_stats": True,
+        }
+        if use_gpus:
+            kwargs["gpu_memory_utilization"] = vcfg["gpu_memory_utilization"]
+        if vcfg["kv_cache_memory_bytes"]:
+            kwargs["kv_cache_memory_bytes"] = vcfg["kv_cache_memory_bytes"]
+        kwargs.update(cfg.get("vllm_kwargs") or {})
+        self.llm = vllm.LLM(**kwargs)
+        self.SamplingParams = vllm.SamplingParams
+        fields = getattr(vllm.SamplingParams, "__struct_fields__", ())
+        self.flat_logprobs = "flat_logprobs" in fields
+        self.top_k_off = vllm.SamplingParams().top_k
+
+    def ready(self) -> dict[str, Any]:
+        import vllm
+
+        return {"vllm": vllm.__version__, "flat_logprobs": self.flat_logprobs}
+
+    def generate(self, shard: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+        """Generate for one data-parallel shard; output in the contract's layout."""
+        ids, lengths = shard["input_ids"], shard["input_lengths"]
+        prompts = [{"prompt_token_ids": row[:n].tolist()} for row, n in zip(ids, lengths.tolist())]
+        extra = {"flat_logprobs": True} if self.flat_logprobs else {}
+        params = [
+            self.SamplingParams(
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k if p.top_k > 0 else self.top_k_off,
+                max_tokens=p.max_new_tokens,
+                stop=list(p.stop_strings) or None,
+                stop_token_ids=list(p.stop_token_ids) or None,
+                include_stop_str_in_output=True,
+                detokenize=bool(p.stop_strings),
+                logprobs=0,
+                seed=p.seed,
+                **extra,
+            )
+            for p in shard["_params"]
+        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        logprobs = [self._logprobs(o.outputs[0]) for o in outputs]
+        bad = [i for i, (t, lp) in enumerate(zip(tokens, logprobs)) if len(t) != len(lp)]
+        if bad:
+            raise RollgenError(f"vLLM returned logprobs that do not match the tokens of samples {bad}")
+        gen_ids, gen_lengths = pad_ragged(tokens, 0, torch.long)
+        gen_lps, _ = pad_ragged(logprobs, 0.0, torch.float32)
+        return assemble_output(ids, lengths, gen_ids, gen_lps, gen_lengths, self.cfg["pad_token_id"])
+
+    def _logprobs(self, completion: Any) -> list[float]:
+        lps = completion.logprobs
+        if lps is None:
+            raise RollgenError("vLLM returned no logprobs although logprobs=0 was requested")
+        if self.flat_logprobs:
+            return list(lps.logprobs)
+        return [pos[t].logprob for pos, t in zip(lps, completion.token_ids)]
+
+    def apply_bucket(self, data: bytes) -> list[int]:
+        """Load a pickled WeightBucket into every TP rank (one pickle per rank: shared-memory
+        handles open once each)."""
+        bucket = pickle.loads(data).resolve()
+        per_rank = [pickle.dumps(bucket) for _ in range(self.tp)]
+        return self.llm.collective_rpc("rollgen_load_bucket", args=(per_rank,))
+
+    def device_uuids(self) -> list[str]:
+        return self.llm.collective_rpc("rollgen_device_uuid")
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        self.llm.reset_prefix_cache()
+        if self.sleep_enabled:
+            self.llm.sleep(level=1)
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def wake(self, tags: list[str]) -> None:
+        if self.sleep_enabled:
+            self.llm.wake_up(tags=tags)
+
+    def shutdown(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        engine = getattr(llm, "llm_engine", None)
+        if engine is not None and hasattr(engine, "engine_core"):
+            engine.engine_core.shutdown()
+        del llm
+        gc.collect()
