@@ -30,9 +30,12 @@ from rollgen.testing.reference import (
 )
 from rollgen.testing.tiny_model import tiny_model_dir
 
-#: Stated agreement bounds with the teacher-forced HF reference, per engine dtype.
+#: Stated agreement bounds with the teacher-forced HF reference (run in fp32 or bf16 on CPU), per
+#: engine dtype. CUDA engines in fp32 use TF32 tensor-core matmuls and other kernels than the CPU
+#: reference: measured max |Δlogp| 1.4e-3 with vLLM 0.26 on an H200 (docs/gpu-results.md).
 BOUNDS = {
     "float32": {"max_abs": 1e-4, "token_mult_prob_error": 1.0001},
+    "float32-cuda": {"max_abs": 5e-3, "token_mult_prob_error": 1.002},
     "bfloat16": {"max_abs": 0.08, "token_mult_prob_error": 1.02},
 }
 #: In bf16 a generated token may differ from the reference argmax only on a near-tie.
@@ -441,7 +444,7 @@ def check_against_reference(reference: Any, out: Mapping[str, torch.Tensor], bat
     else:
         gap = (top - ref)[mismatch]
         assert (gap < BF16_TIE_GAP).all(), f"non-tie greedy mismatch (gaps {gap.tolist()})"
-    bound = BOUNDS[dtype]
+    bound = BOUNDS[f"{dtype}-cuda" if dtype == "float32" and torch.cuda.is_available() else dtype]
     assert stats["max_abs"] <= bound["max_abs"], stats
     assert stats["token_mult_prob_error"] <= bound["token_mult_prob_error"], stats
     return stats
