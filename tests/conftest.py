@@ -1,5 +1,4 @@
 import pytest
-
 from rollgen.testing.tiny_model import tiny_model_dir
 
 
@@ -17,7 +16,13 @@ def pad_id(model_dir: str) -> int:
 
 @pytest.fixture(scope="session")
 def hf_config(model_dir: str, pad_id: int) -> dict:
-    return {"backend": "hf", "model_name": model_dir, "max_new_tokens": 8, "pad_token_id": pad_id, "dtype": "float32"}
+    return {
+        "backend": "hf",
+        "model_name": model_dir,
+        "max_new_tokens": 8,
+        "pad_token_id": pad_id,
+        "dtype": "float32",
+    }
 
 
 def pytest_collection_modifyitems(config, items) -> None:

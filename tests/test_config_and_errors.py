@@ -1,9 +1,8 @@
 """create_generation: typed, complete errors before any engine work; the engine stays usable."""
 
 import pytest
-import torch
-
 import rollgen
+import torch
 from rollgen import BackendNotFound, ConfigError, InputError
 
 
@@ -64,7 +63,11 @@ def test_processed_logprobs_follow_temperature(hf_config: dict, pad_id: int) -> 
     lengths = torch.tensor([3])
     ref = load_reference_model(hf_config["model_name"])
     for mode, temp in (("processed", 0.7), ("raw", 1.0)):
-        with rollgen.create_generation({**hf_config, "logprobs_mode": mode, "temperature": 0.7, "seed": 3}) as gen:
+        with rollgen.create_generation(
+            {**hf_config, "logprobs_mode": mode, "temperature": 0.7, "seed": 3}
+        ) as gen:
             out = gen.generate({"input_ids": ids, "input_lengths": lengths})
-        expected = teacher_forced_logprobs(ref, out["output_ids"], lengths, out["unpadded_sequence_lengths"], temperature=temp)
+        expected = teacher_forced_logprobs(
+            ref, out["output_ids"], lengths, out["unpadded_sequence_lengths"], temperature=temp
+        )
         assert agreement(out["logprobs"], expected, generated_mask(out, lengths))["max_abs"] < 1e-4

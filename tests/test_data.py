@@ -4,7 +4,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from rollgen import BatchedDataDict
 
 
@@ -39,9 +38,7 @@ def test_even_sharding_is_enforced_unless_allowed() -> None:
 @settings(max_examples=60, deadline=None)
 @given(widths=st.lists(st.integers(0, 7), min_size=1, max_size=5), pad=st.integers(-3, 9))
 def test_merge_pads_each_key_with_its_value(widths: list[int], pad: int) -> None:
-    batches = [
-        {"out": torch.full((2, w), 100 + i), "lp": torch.ones((2, w))} for i, w in enumerate(widths)
-    ]
+    batches = [{"out": torch.full((2, w), 100 + i), "lp": torch.ones((2, w))} for i, w in enumerate(widths)]
     merged = BatchedDataDict.from_batches(batches, pad_value_dict={"out": pad})
     assert merged["out"].shape == (2 * len(widths), max(widths))
     for i, w in enumerate(widths):
@@ -52,7 +49,7 @@ def test_merge_pads_each_key_with_its_value(widths: list[int], pad: int) -> None
 
 def test_mismatched_batch_sizes_are_reported() -> None:
     with pytest.raises(ValueError, match="different batch sizes"):
-        BatchedDataDict({"a": torch.zeros(2), "b": [1, 2, 3]}).size
+        _ = BatchedDataDict({"a": torch.zeros(2), "b": [1, 2, 3]}).size
 
 
 def test_select_and_to() -> None:

@@ -3,7 +3,6 @@
 import pytest
 import ray
 import torch
-
 from rollgen import BatchedDataDict, ConfigError, InputError, WorkerError
 from rollgen.distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup
 from rollgen.distributed.worker_groups import TiedGroup, tied_groups
@@ -37,12 +36,16 @@ def test_bundles_across_two_simulated_nodes(two_node_cluster) -> None:
     try:
         pg_nodes = vc.node_ids()
         assert len(set(pg_nodes)) == 2, "one placement group per node"
-        group = RayWorkerGroup(vc, RayWorkerBuilder(PROBE, "t"), tp_size=2, leader_resources={"num_cpus": 0.1, "num_gpus": 0})
+        group = RayWorkerGroup(
+            vc, RayWorkerBuilder(PROBE, "t"), tp_size=2, leader_resources={"num_cpus": 0.1, "num_gpus": 0}
+        )
         where = group.call_all("where")
         assert [w["bundles"] for w in where] == [(0, 1), (0, 1)]
         assert [w["node"] for w in where] == pg_nodes
         group.shutdown()
-        single = RayWorkerGroup(vc, RayWorkerBuilder(PROBE, "t"), tp_size=1, leader_resources={"num_cpus": 0.1, "num_gpus": 0.5})
+        single = RayWorkerGroup(
+            vc, RayWorkerBuilder(PROBE, "t"), tp_size=1, leader_resources={"num_cpus": 0.1, "num_gpus": 0.5}
+        )
         assert single.dp_size == 4
         assert [w["bundles"] for w in single.call_all("where")] == [(0,), (1,), (0,), (1,)]
         single.shutdown()
@@ -65,9 +68,13 @@ def probes():
 
 def test_uneven_shards_merge_in_order(probes) -> None:
     data = BatchedDataDict({"x": torch.arange(5).unsqueeze(1), "tag": list("abcde")})
-    out = BatchedDataDict.from_batches(probes.call_sharded("echo", data.shard_by_batch_size(2, allow_uneven_shards=True)))
+    out = BatchedDataDict.from_batches(
+        probes.call_sharded("echo", data.shard_by_batch_size(2, allow_uneven_shards=True))
+    )
     assert out["x"].flatten().tolist() == [0, 1, 2, 3, 4] and out["tag"] == list("abcde")
-    one = BatchedDataDict.from_batches(probes.call_sharded("echo", data.slice(0, 1).shard_by_batch_size(2, allow_uneven_shards=True)))
+    one = BatchedDataDict.from_batches(
+        probes.call_sharded("echo", data.slice(0, 1).shard_by_batch_size(2, allow_uneven_shards=True))
+    )
     assert one["tag"] == ["a"], "empty shards are not sent"
 
 

@@ -4,9 +4,8 @@ Results and the exact commands: docs/gpu-results.md."""
 import importlib.util
 
 import pytest
-import torch
-
 import rollgen
+import torch
 from rollgen.conformance.base import PROMPTS, encode
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
 from rollgen.testing.reference import agreement, generated_mask
@@ -16,8 +15,13 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 
 def config(hf_config: dict, **vllm_cfg) -> dict:
-    return {**hf_config, "backend": "vllm", "dtype": "bfloat16", "max_new_tokens": 16,
-            "vllm_cfg": {"gpu_memory_utilization": 0.2, **vllm_cfg}}
+    return {
+        **hf_config,
+        "backend": "vllm",
+        "dtype": "bfloat16",
+        "max_new_tokens": 16,
+        "vllm_cfg": {"gpu_memory_utilization": 0.2, **vllm_cfg},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +53,9 @@ def test_cuda_ipc_refit_sleep_wake(hf_config: dict, batch: dict) -> None:
         after = gen.generate(batch, greedy=True)
         assert not torch.equal(before["output_ids"], after["output_ids"])
         lengths = batch["input_lengths"]
-        ref = teacher_forced_logprobs(new.float().cpu(), after["output_ids"], lengths, after["unpadded_sequence_lengths"])
+        ref = teacher_forced_logprobs(
+            new.float().cpu(), after["output_ids"], lengths, after["unpadded_sequence_lengths"]
+        )
         stats = agreement(after["logprobs"], ref, generated_mask(after, lengths))
         assert stats["token_mult_prob_error"] < 1.05, stats
 

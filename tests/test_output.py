@@ -3,7 +3,6 @@
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from rollgen.output import assemble_output, pad_ragged
 
 
@@ -11,10 +10,10 @@ def loop_reference(ids, lengths, gens, lps, pad):
     width = ids.shape[1] + max((len(g) for g in gens), default=0)
     out = torch.full((len(gens), width), pad, dtype=torch.long)
     lp = torch.zeros((len(gens), width))
-    for i, (g, l) in enumerate(zip(gens, lps)):
+    for i, (g, lp_row) in enumerate(zip(gens, lps)):
         n = int(lengths[i])
         out[i, :n] = ids[i, :n]
-        for j, (t, v) in enumerate(zip(g, l)):
+        for j, (t, v) in enumerate(zip(g, lp_row)):
             out[i, n + j] = t
             lp[i, n + j] = v
     return out, lp

@@ -3,9 +3,8 @@
 import multiprocessing as mp
 
 import pytest
-import torch
-
 import rollgen
+import torch
 from rollgen import RefitError
 from rollgen.refit import TensorMeta, check_against_spec, iter_buckets
 
@@ -41,7 +40,11 @@ def test_buckets_are_bounded_and_cast() -> None:
 
 def test_validation_lists_every_problem() -> None:
     spec = {"a": ((2,), "float32"), "b": ((3,), "float32")}
-    metas = [TensorMeta("a", (3,), "float32"), TensorMeta("b", (3,), "bfloat16"), TensorMeta("c", (1,), "float32")]
+    metas = [
+        TensorMeta("a", (3,), "float32"),
+        TensorMeta("b", (3,), "bfloat16"),
+        TensorMeta("c", (1,), "float32"),
+    ]
     with pytest.raises(RefitError) as info:
         check_against_spec(metas, spec)
     assert len(info.value.problems) == 3
@@ -61,7 +64,9 @@ def test_refit_matches_independent_hf(hf_config: dict) -> None:
     with rollgen.create_generation(hf_config) as engine:
         engine.refit(new.state_dict())
         out = engine.generate(batch)
-    ref = teacher_forced_logprobs(new, out["output_ids"], batch["input_lengths"], out["unpadded_sequence_lengths"])
+    ref = teacher_forced_logprobs(
+        new, out["output_ids"], batch["input_lengths"], out["unpadded_sequence_lengths"]
+    )
     assert agreement(out["logprobs"], ref, generated_mask(out, batch["input_lengths"]))["max_abs"] < 1e-4
 
 

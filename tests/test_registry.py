@@ -6,7 +6,6 @@ import sys
 from importlib.metadata import EntryPoint
 
 import pytest
-
 from rollgen import BackendNotFound, BackendUnavailable
 from rollgen.registry import Registry
 
@@ -27,7 +26,13 @@ def test_broken_plugins_are_isolated_and_reported() -> None:
     reg = Registry(eps(*ALL), env={})
     assert set(reg.backends) == {"good", "good-missing-engine"}
     status = {n: p.status for n, p in reg.plugins.items()}
-    assert status == {"good": "ok", "raises_on_import": "broken", "duplicate": "broken", "bad_capability": "broken", "bad_hook": "broken"}
+    assert status == {
+        "good": "ok",
+        "raises_on_import": "broken",
+        "duplicate": "broken",
+        "bad_capability": "broken",
+        "bad_hook": "broken",
+    }
     assert "already registered by plugin 'good'" in str(reg.plugins["duplicate"].error)
     assert "teleport" in str(reg.plugins["bad_capability"].error)
     assert "rollgen_no_such_hook" in str(reg.plugins["bad_hook"].error)
@@ -57,15 +62,24 @@ def test_builtin_backends_come_from_entry_points_without_engine_imports() -> Non
     """Discovery through the installed entry points imports no engine or model code."""
     code = (
         "import sys, json; from rollgen.registry import get_registry; r = get_registry();"
-        "print(json.dumps({'backends': sorted(r.backends), 'loaded': [m for m in ('vllm','sglang','transformers.models') if m in sys.modules]}))"
+        "heavy = ('vllm', 'sglang', 'transformers.models');"
+        "print(json.dumps({'backends': sorted(r.backends),"
+        " 'loaded': [m for m in heavy if m in sys.modules]}))"
     )
-    out = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+    out = json.loads(
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    )
     assert {"hf", "example"} <= set(out["backends"])
     assert out["loaded"] == []
 
 
 def test_cli_backends_json() -> None:
-    out = subprocess.run([sys.executable, "-m", "rollgen.cli", "backends", "--json"], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "rollgen.cli", "backends", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows["hf"]["importable"] and rows["hf"]["distribution"] == "rollgen"
     assert "refit_tensors" in rows["hf"]["capabilities"]

@@ -5,9 +5,8 @@ import importlib.util
 
 import pytest
 import ray
-import torch
-
 import rollgen
+import torch
 from rollgen import WorkerError
 from rollgen.conformance.base import PROMPTS, encode
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
@@ -73,7 +72,9 @@ def test_trainer_loop_logprobs_match_independent_hf(dp2, model_dir: str, batch: 
             dp2.prepare_for_generation(tags=["kv_cache"])
             out = dp2.generate(batch)
             lengths = batch["input_lengths"]
-            ref = teacher_forced_logprobs(policy, out["output_ids"], lengths, out["unpadded_sequence_lengths"])
+            ref = teacher_forced_logprobs(
+                policy, out["output_ids"], lengths, out["unpadded_sequence_lengths"]
+            )
             stats = agreement(out["logprobs"], ref, generated_mask(out, lengths))
             assert stats["max_abs"] < 1e-4, (step, stats)
     finally:

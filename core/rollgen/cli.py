@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -65,11 +65,13 @@ def backends(as_json: bool = typer.Option(False, "--json", help="machine-readabl
     for r in rows:
         detail = ", ".join(r["capabilities"]) if r["status"] == "ok" else (r["reason"] or "")
         style = "green" if r["status"] == "ok" else "yellow"
-        table.add_row(r["name"], r["distribution"] or "-", r["version"] or "-", f"[{style}]{r['status']}[/]", detail)
+        table.add_row(
+            r["name"], r["distribution"] or "-", r["version"] or "-", f"[{style}]{r['status']}[/]", detail
+        )
     console.print(table)
 
 
-def _config(backend: str, model: Optional[str], max_new_tokens: int, extra: Optional[str]) -> dict[str, Any]:
+def _config(backend: str, model: str | None, max_new_tokens: int, extra: str | None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from rollgen.conformance.base import deep_merge
@@ -95,10 +97,10 @@ def _config(backend: str, model: Optional[str], max_new_tokens: int, extra: Opti
 def generate(
     prompts: list[str] = typer.Argument(..., help="prompts to continue"),
     backend: str = typer.Option("hf", help="backend name"),
-    model: Optional[str] = typer.Option(None, help="local model folder (default: the tiny model)"),
+    model: str | None = typer.Option(None, help="local model folder (default: the tiny model)"),
     max_new_tokens: int = typer.Option(16),
     greedy: bool = typer.Option(True, help="greedy decoding (else sampling)"),
-    config: Optional[str] = typer.Option(None, help="JSON merged into the config"),
+    config: str | None = typer.Option(None, help="JSON merged into the config"),
 ) -> None:
     """Generate text continuations with any backend."""
     import rollgen
@@ -112,7 +114,7 @@ def generate(
 @app.command()
 def demo(
     backend: str = typer.Option("hf", help="backend name"),
-    config: Optional[str] = typer.Option(None, help="JSON merged into the config"),
+    config: str | None = typer.Option(None, help="JSON merged into the config"),
 ) -> None:
     """The main job on the embedded tiny model: generate → refit new weights → generate."""
     from rollgen.demo import run_demo
@@ -124,13 +126,21 @@ def demo(
 def conformance(
     ctx: typer.Context,
     backend: str = typer.Argument(..., help="backend name"),
-    report: Optional[str] = typer.Option(None, help="write the JSON report here"),
-    config: Optional[str] = typer.Option(None, help="JSON merged into the suite's config"),
+    report: str | None = typer.Option(None, help="write the JSON report here"),
+    config: str | None = typer.Option(None, help="JSON merged into the suite's config"),
 ) -> None:
     """Run the conformance suite against BACKEND (extra args go to pytest)."""
     import pytest
 
-    args = ["-p", "rollgen.conformance", "--pyargs", "rollgen.conformance.suite", f"--rollgen-backend={backend}", "-p", "no:cacheprovider"]
+    args = [
+        "-p",
+        "rollgen.conformance",
+        "--pyargs",
+        "rollgen.conformance.suite",
+        f"--rollgen-backend={backend}",
+        "-p",
+        "no:cacheprovider",
+    ]
     if report:
         args.append(f"--rollgen-report={report}")
     if config:

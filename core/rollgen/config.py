@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -12,7 +12,7 @@ from rollgen.errors import ConfigError
 from rollgen.spec import CONFIG_DEFAULTS
 
 
-@lru_cache(maxsize=None)
+@cache
 def _adapter(config_type: type) -> TypeAdapter[Any]:
     return TypeAdapter(config_type)
 

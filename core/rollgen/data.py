@@ -34,9 +34,7 @@ class BatchedDataDict(dict, Generic[T]):  # type: ignore[type-arg]
             out[k] = v[idx] if isinstance(v, torch.Tensor) else [v[i] for i in idx.tolist()]
         return BatchedDataDict(out)
 
-    def shard_by_batch_size(
-        self, shards: int, allow_uneven_shards: bool = False
-    ) -> list[BatchedDataDict[T]]:
+    def shard_by_batch_size(self, shards: int, allow_uneven_shards: bool = False) -> list[BatchedDataDict[T]]:
         """Split into ``shards`` contiguous shards, in order.
 
         Uneven shards (only when allowed) differ in size by at most one, larger ones first; a
@@ -47,8 +45,7 @@ class BatchedDataDict(dict, Generic[T]):  # type: ignore[type-arg]
         total = self.size
         if total % shards and not allow_uneven_shards:
             raise ValueError(
-                f"batch of {total} does not split into {shards} equal shards; "
-                "pass allow_uneven_shards=True"
+                f"batch of {total} does not split into {shards} equal shards; pass allow_uneven_shards=True"
             )
         base, extra = divmod(total, shards)
         bounds, start = [], 0

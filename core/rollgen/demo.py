@@ -48,7 +48,9 @@ def run_demo(backend: str, cfg: dict[str, Any], console: Console) -> None:
         table.add_row(p, repr(a), repr(b))
     console.print(table)
 
-    ref = teacher_forced_logprobs(new_model, after["output_ids"], batch["input_lengths"], after["unpadded_sequence_lengths"])
+    ref = teacher_forced_logprobs(
+        new_model, after["output_ids"], batch["input_lengths"], after["unpadded_sequence_lengths"]
+    )
     stats = agreement(after["logprobs"], ref, generated_mask(after, batch["input_lengths"]))
     summary = Table(title="logprobs after refit vs an independent HF teacher-forced pass")
     for k in stats:

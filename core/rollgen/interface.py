@@ -106,9 +106,7 @@ class BaseGeneration(GenerationInterface):
     def _check_awake(self, tags: Iterable[str], what: str) -> None:
         asleep = [t for t in tags if t not in self._awake]
         if asleep:
-            raise EngineAsleep(
-                f"cannot {what}: {', '.join(asleep)} asleep; call prepare_for_generation()"
-            )
+            raise EngineAsleep(f"cannot {what}: {', '.join(asleep)} asleep; call prepare_for_generation()")
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
@@ -236,6 +234,8 @@ class BaseGeneration(GenerationInterface):
         for b in items:
             if not isinstance(b, WeightBucket):
                 raise RefitError(f"update_weights takes WeightBucket(s), got {type(b).__name__}")
+            if b.transport not in refit_mod.TRANSPORT_CAPABILITY:
+                raise RefitError(f"unknown refit transport {b.transport!r}")
             self.require(refit_mod.TRANSPORT_CAPABILITY[b.transport], f"refit over {b.transport}")
         self.check_weights(m for b in items for m in b.metas)
         for b in items:

@@ -15,10 +15,10 @@ import io
 import pickle
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
 
 import torch
-from multiprocessing.reduction import ForkingPickler
 
 from rollgen.errors import RefitError
 from rollgen.spec import Capability
@@ -108,9 +108,7 @@ def source_spec(
     source: torch.nn.Module | Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
 ) -> WeightSpec:
     """Names, shapes and dtypes of what ``source`` would send (after the cast to ``dtype``)."""
-    return {
-        n: (tuple(t.shape), dtype_name(dtype or t.dtype)) for n, t in named_tensors(source)
-    }
+    return {n: (tuple(t.shape), dtype_name(dtype or t.dtype)) for n, t in named_tensors(source)}
 
 
 def iter_buckets(
@@ -177,7 +175,9 @@ def pack_bucket(
 
 def device_uuid(device: torch.device | int | None = None) -> str:
     """The UUID of a CUDA device, the key of CUDA IPC payloads."""
-    return str(torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device).uuid)
+    return str(
+        torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device).uuid
+    )
 
 
 def _ipc_handles(tensors: list[torch.Tensor]) -> tuple[dict[str, list[Any]], list[torch.Tensor]]:
@@ -223,6 +223,14 @@ def _rebuild_ipc(payload: dict[str, list[Any]], device: torch.device | str | Non
     return tensors
 
 
+@torch.no_grad()
+def load_into_module(module: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy validated named tensors into ``module``'s state (in place; tied weights once each)."""
+    state = module.state_dict()
+    for name, tensor in named:
+        state[name].copy_(tensor)
+
+
 def check_against_spec(metas: Iterable[TensorMeta], expected: WeightSpec) -> None:
     """Raise RefitError listing every unknown name, shape or dtype mismatch."""
     problems = []
@@ -234,9 +242,7 @@ def check_against_spec(metas: Iterable[TensorMeta], expected: WeightSpec) -> Non
         if tuple(m.shape) != tuple(shape):
             problems.append(f"{m.name}: shape {list(m.shape)}, the model has {list(shape)}")
         if m.dtype != dtype:
-            problems.append(
-                f"{m.name}: dtype {m.dtype}, the model has {dtype} (pass dtype= to cast)"
-            )
+            problems.append(f"{m.name}: dtype {m.dtype}, the model has {dtype} (pass dtype= to cast)")
     if problems:
         raise RefitError(
             f"weight update rejected ({len(problems)} problem(s)); nothing was applied and the "

@@ -58,9 +58,7 @@ class Backend:
             raise PluginError(
                 f"backend {self.name!r}: unknown capabilities {unknown}; known: {sorted(known)}"
             )
-        object.__setattr__(
-            self, "capabilities", frozenset(Capability(str(c)) for c in self.capabilities)
-        )
+        object.__setattr__(self, "capabilities", frozenset(Capability(str(c)) for c in self.capabilities))
 
 
 @dataclass
@@ -163,8 +161,7 @@ class Registry:
             self._broken(record, exc)
             return
         impls = [
-            i for i in self.pm.hook.rollgen_register_backends.get_hookimpls()
-            if i.plugin_name == record.name
+            i for i in self.pm.hook.rollgen_register_backends.get_hookimpls() if i.plugin_name == record.name
         ]
         pending: list[Backend] = []
         for impl in impls:
@@ -201,8 +198,7 @@ class Registry:
         if name in self.plugins and self.plugins[name].status == "broken":
             record = self.plugins[name]
             raise BackendUnavailable(
-                f"plugin {name!r} ({record.distribution or 'unknown distribution'}) is broken: "
-                f"{record.error}"
+                f"plugin {name!r} ({record.distribution or 'unknown distribution'}) is broken: {record.error}"
             ) from record.error
         installed = ", ".join(sorted(self.backends)) or "none"
         broken = [p.name for p in self.plugins.values() if p.status == "broken"]

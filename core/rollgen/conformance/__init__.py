@@ -92,7 +92,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
                 "outcome": outcome,
                 "duration_s": round(report.duration, 3),
                 "details": dict(report.user_properties),
-                "reason": str(report.longrepr[2]) if report.skipped and isinstance(report.longrepr, tuple) else None,
+                "reason": str(report.longrepr[2])
+                if report.skipped and isinstance(report.longrepr, tuple)
+                else None,
             }
         )
 

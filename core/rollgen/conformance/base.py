@@ -156,7 +156,9 @@ class BackendConformance:
         assert backend.plugin.status == "ok"
 
     # ---- output contract -----------------------------------------------------------------------
-    def test_output_layout(self, greedy_out: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], base_config: dict[str, Any]) -> None:
+    def test_output_layout(
+        self, greedy_out: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], base_config: dict[str, Any]
+    ) -> None:
         out, pad = greedy_out, base_config["pad_token_id"]
         ids, lengths = batch["input_ids"], batch["input_lengths"]
         assert set(out) >= {"output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths"}
@@ -180,7 +182,13 @@ class BackendConformance:
         assert torch.isfinite(out["logprobs"][generated]).all()
         assert (out["logprobs"][generated] <= 0).all()
 
-    def test_eos_ends_generation(self, greedy_out: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], tokenizer: Any, base_config: dict[str, Any]) -> None:
+    def test_eos_ends_generation(
+        self,
+        greedy_out: dict[str, torch.Tensor],
+        batch: dict[str, torch.Tensor],
+        tokenizer: Any,
+        base_config: dict[str, Any],
+    ) -> None:
         out = greedy_out
         ended = out["generation_lengths"] < base_config["max_new_tokens"]
         assert ended.any(), "the tiny model should end some lines with EOS within the budget"
@@ -189,13 +197,18 @@ class BackendConformance:
 
     def test_empty_batch(self, engine: Any) -> None:
         out = engine.generate(
-            {"input_ids": torch.zeros((0, 4), dtype=torch.long), "input_lengths": torch.zeros(0, dtype=torch.long)}
+            {
+                "input_ids": torch.zeros((0, 4), dtype=torch.long),
+                "input_lengths": torch.zeros(0, dtype=torch.long),
+            }
         )
         assert out["output_ids"].shape[0] == 0 and out["output_ids"].dtype == torch.long
         assert out["logprobs"].shape[0] == 0 and out["logprobs"].dtype == torch.float32
         assert out["generation_lengths"].shape == (0,)
 
-    def test_single_sample_and_padding_width(self, engine: Any, tokenizer: Any, greedy_out: dict[str, torch.Tensor], base_config: dict[str, Any]) -> None:
+    def test_single_sample_and_padding_width(
+        self, engine: Any, tokenizer: Any, greedy_out: dict[str, torch.Tensor], base_config: dict[str, Any]
+    ) -> None:
         """Extra right padding and batch composition do not change greedy tokens."""
         one = encode(tokenizer, PROMPTS[:1], extra_pad=5)
         out = engine.generate(one, greedy=True)
@@ -209,12 +222,16 @@ class BackendConformance:
         assert int(out["unpadded_sequence_lengths"][0]) <= limit
 
     # ---- determinism ---------------------------------------------------------------------------
-    def test_greedy_determinism(self, engine: Any, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
+    def test_greedy_determinism(
+        self, engine: Any, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]
+    ) -> None:
         again = engine.generate(batch, greedy=True)
         assert torch.equal(again["output_ids"], greedy_out["output_ids"])
         assert torch.allclose(again["logprobs"], greedy_out["logprobs"], atol=1e-5)
 
-    def test_seeded_reproducibility(self, make_engine: Callable[..., Any], batch: dict[str, torch.Tensor]) -> None:
+    def test_seeded_reproducibility(
+        self, make_engine: Callable[..., Any], batch: dict[str, torch.Tensor]
+    ) -> None:
         """Two fresh engines with the same seed give the same samples, call after call."""
         a, b = make_engine(seed=7), make_engine(seed=7)
         try:
@@ -230,7 +247,14 @@ class BackendConformance:
             b.shutdown()
 
     # ---- per-sample settings ---------------------------------------------------------------------
-    def test_per_sample_sampling(self, engine: Any, caps: frozenset[Capability], tokenizer: Any, greedy_out: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> None:
+    def test_per_sample_sampling(
+        self,
+        engine: Any,
+        caps: frozenset[Capability],
+        tokenizer: Any,
+        greedy_out: dict[str, torch.Tensor],
+        batch: dict[str, torch.Tensor],
+    ) -> None:
         data = dict(batch)
         data["temperature"] = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0])
         data["max_new_tokens"] = torch.tensor([2, 5, 12, 12, 3])
@@ -247,7 +271,14 @@ class BackendConformance:
         again = engine.generate(data)
         assert torch.equal(again["output_ids"], out["output_ids"]), "per-sample seeds reproduce"
 
-    def test_stop_strings_per_sample(self, engine: Any, caps: frozenset[Capability], tokenizer: Any, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
+    def test_stop_strings_per_sample(
+        self,
+        engine: Any,
+        caps: frozenset[Capability],
+        tokenizer: Any,
+        batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
+    ) -> None:
         texts = generated_texts(tokenizer, greedy_out, batch)
         stop = texts[0].strip().split(" ")[1] if len(texts[0].split()) > 1 else None
         assert stop, f"the tiny model's greedy output {texts[0]!r} is too short for this test"
@@ -261,13 +292,19 @@ class BackendConformance:
         ids0 = greedy_out["output_ids"][0]
         start = int(batch["input_lengths"][0])
         expected = next(
-            k for k in range(1, int(base_len[0]) + 1)
+            k
+            for k in range(1, int(base_len[0]) + 1)
             if stop in tokenizer.decode(ids0[start : start + k].tolist())
         )
         assert int(out["generation_lengths"][0]) == expected, "sample 0 stops where its string ends"
         assert torch.equal(out["generation_lengths"][1:], base_len[1:]), "others are untouched"
 
-    def test_stop_token_ids(self, make_engine: Callable[..., Any], batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
+    def test_stop_token_ids(
+        self,
+        make_engine: Callable[..., Any],
+        batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
+    ) -> None:
         start = int(batch["input_lengths"][1])
         stop_id = int(greedy_out["output_ids"][1, start + 2])
         engine = make_engine(stop_token_ids=[stop_id])
@@ -279,7 +316,14 @@ class BackendConformance:
         end = int(out["unpadded_sequence_lengths"][1])
         assert int(out["output_ids"][1, end - 1]) == stop_id, "the stop token is kept"
 
-    def test_text_path(self, engine: Any, caps: frozenset[Capability], tokenizer: Any, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
+    def test_text_path(
+        self,
+        engine: Any,
+        caps: frozenset[Capability],
+        tokenizer: Any,
+        batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
+    ) -> None:
         data = {"prompts": PROMPTS}
         if Capability.TEXT not in caps:
             with pytest.raises(UnsupportedCapability):
@@ -291,7 +335,17 @@ class BackendConformance:
 
     # ---- agreement with the reference ----------------------------------------------------------
     @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-    def test_reference_agreement(self, request: pytest.FixtureRequest, dtype: str, make_engine: Callable[..., Any], engine: Any, greedy_out: dict[str, torch.Tensor], references: Callable[[str, str], Any], model_dir: str, batch: dict[str, torch.Tensor]) -> None:
+    def test_reference_agreement(
+        self,
+        request: pytest.FixtureRequest,
+        dtype: str,
+        make_engine: Callable[..., Any],
+        engine: Any,
+        greedy_out: dict[str, torch.Tensor],
+        references: Callable[[str, str], Any],
+        model_dir: str,
+        batch: dict[str, torch.Tensor],
+    ) -> None:
         if dtype == "float32":
             out = greedy_out
         else:
@@ -305,7 +359,17 @@ class BackendConformance:
             request.node.user_properties.append((k, v))
 
     # ---- refit ---------------------------------------------------------------------------------
-    def test_refit_follows_new_weights(self, request: pytest.FixtureRequest, engine: Any, caps: frozenset[Capability], references: Callable[[str, str], Any], model_dir: str, other_model_dir: str, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
+    def test_refit_follows_new_weights(
+        self,
+        request: pytest.FixtureRequest,
+        engine: Any,
+        caps: frozenset[Capability],
+        references: Callable[[str, str], Any],
+        model_dir: str,
+        other_model_dir: str,
+        batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
+    ) -> None:
         new = references(other_model_dir, "float32")
         if Capability.REFIT_TENSORS not in caps and Capability.REFIT_IPC not in caps:
             with pytest.raises(UnsupportedCapability):
@@ -328,8 +392,19 @@ class BackendConformance:
         assert torch.equal(restored["output_ids"], greedy_out["output_ids"])
         assert torch.allclose(restored["logprobs"], greedy_out["logprobs"], atol=1e-5)
 
-    def test_bad_refit_rejected(self, engine: Any, caps: frozenset[Capability], references: Callable[[str, str], Any], other_model_dir: str, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
-        good = {k: v.to(engine.engine_dtype) for k, v in references(other_model_dir, "float32").state_dict().items()}
+    def test_bad_refit_rejected(
+        self,
+        engine: Any,
+        caps: frozenset[Capability],
+        references: Callable[[str, str], Any],
+        other_model_dir: str,
+        batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
+    ) -> None:
+        good = {
+            k: v.to(engine.engine_dtype)
+            for k, v in references(other_model_dir, "float32").state_dict().items()
+        }
         name = "model.norm.weight"
         bad_cases = {
             "unknown name": {**good, "model.not_a_layer.weight": torch.zeros(3)},
@@ -346,7 +421,15 @@ class BackendConformance:
         assert torch.equal(out["output_ids"], greedy_out["output_ids"]), "old weights still serve"
 
     # ---- sleep / wake --------------------------------------------------------------------------
-    def test_sleep_wake(self, engine: Any, caps: frozenset[Capability], references: Callable[[str, str], Any], model_dir: str, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor]) -> None:
+    def test_sleep_wake(
+        self,
+        engine: Any,
+        caps: frozenset[Capability],
+        references: Callable[[str, str], Any],
+        model_dir: str,
+        batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
+    ) -> None:
         if Capability.SLEEP_WAKE not in caps:
             with pytest.raises(UnsupportedCapability):
                 engine.finish_generation()
@@ -367,7 +450,13 @@ class BackendConformance:
         assert torch.equal(out["output_ids"], greedy_out["output_ids"])
 
     # ---- bad input -----------------------------------------------------------------------------
-    def test_bad_inputs_raise_and_engine_survives(self, engine: Any, batch: dict[str, torch.Tensor], greedy_out: dict[str, torch.Tensor], base_config: dict[str, Any]) -> None:
+    def test_bad_inputs_raise_and_engine_survives(
+        self,
+        engine: Any,
+        batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
+        base_config: dict[str, Any],
+    ) -> None:
         pad = base_config["pad_token_id"]
         ids, lengths = batch["input_ids"], batch["input_lengths"]
         left = ids.clone()
@@ -376,12 +465,21 @@ class BackendConformance:
         left[1, ids.shape[1] - n :] = ids[1, :n]
         cases: dict[str, tuple[dict[str, Any], list[int] | None]] = {
             "left padded": ({"input_ids": left, "input_lengths": lengths}, [1]),
-            "length too large": ({"input_ids": ids, "input_lengths": lengths.clone().index_fill_(0, torch.tensor([2]), 99)}, [2]),
-            "zero length": ({"input_ids": ids, "input_lengths": lengths.clone().index_fill_(0, torch.tensor([3]), 0)}, [3]),
+            "length too large": (
+                {"input_ids": ids, "input_lengths": lengths.clone().index_fill_(0, torch.tensor([2]), 99)},
+                [2],
+            ),
+            "zero length": (
+                {"input_ids": ids, "input_lengths": lengths.clone().index_fill_(0, torch.tensor([3]), 0)},
+                [3],
+            ),
             "wrong dtype": ({"input_ids": ids.int(), "input_lengths": lengths}, None),
             "wrong shape": ({"input_ids": ids[0], "input_lengths": lengths}, None),
             "too long for context": (
-                {"input_ids": torch.ones((1, engine.max_model_len + 1), dtype=torch.long), "input_lengths": torch.tensor([engine.max_model_len + 1])},
+                {
+                    "input_ids": torch.ones((1, engine.max_model_len + 1), dtype=torch.long),
+                    "input_lengths": torch.tensor([engine.max_model_len + 1]),
+                },
                 [0],
             ),
             "bad stop_strings": ({**batch, "stop_strings": [None, "x", None, None, None]}, [1]),
@@ -395,7 +493,9 @@ class BackendConformance:
         assert torch.equal(out["output_ids"], greedy_out["output_ids"]), "engine still usable"
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def test_shutdown_idempotent(self, make_engine: Callable[..., Any], batch: dict[str, torch.Tensor]) -> None:
+    def test_shutdown_idempotent(
+        self, make_engine: Callable[..., Any], batch: dict[str, torch.Tensor]
+    ) -> None:
         with make_engine() as engine:
             engine.generate(batch, greedy=True)
         engine.shutdown()
@@ -414,7 +514,12 @@ def encode(tokenizer: Any, prompts: list[str], extra_pad: int = 0) -> dict[str, 
     return {"input_ids": ids, "input_lengths": lengths}
 
 
-def generated_texts(tokenizer: Any, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor], skip_special: bool = False) -> list[str]:
+def generated_texts(
+    tokenizer: Any,
+    out: Mapping[str, torch.Tensor],
+    batch: Mapping[str, torch.Tensor],
+    skip_special: bool = False,
+) -> list[str]:
     rows = out["output_ids"].tolist()
     return [
         tokenizer.decode(r[s:e], skip_special_tokens=skip_special)
@@ -422,7 +527,9 @@ def generated_texts(tokenizer: Any, out: Mapping[str, torch.Tensor], batch: Mapp
     ]
 
 
-def check_against_reference(reference: Any, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor], dtype: str) -> dict[str, float]:
+def check_against_reference(
+    reference: Any, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor], dtype: str
+) -> dict[str, float]:
     """Greedy tokens are the reference's argmax; logprobs agree within BOUNDS[dtype]."""
     lengths = batch["input_lengths"]
     mask = generated_mask(out, lengths)

@@ -51,7 +51,9 @@ class RayVirtualCluster:
         self._pgs: list[PlacementGroup] = []
         self.name = f"{name}-{uuid.uuid4().hex[:8]}"
         for i, count in enumerate(bundles_per_node):
-            pg = placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_PACK", name=f"{self.name}-node{i}")
+            pg = placement_group(
+                [dict(bundle) for _ in range(count)], strategy="STRICT_PACK", name=f"{self.name}-node{i}"
+            )
             self._pgs.append(pg)
         ready = [pg.ready() for pg in self._pgs]
         done, _ = ray.wait(ready, num_returns=len(ready), timeout=ready_timeout_s)

@@ -117,9 +117,13 @@ class RayWorkerGroup:
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, RollgenError):
                     raise cause from None
-                raise WorkerError(name, f"raised {type(cause).__name__ if cause else 'an error'}: {cause}", str(exc)) from None
+                raise WorkerError(
+                    name, f"raised {type(cause).__name__ if cause else 'an error'}: {cause}", str(exc)
+                ) from None
             except ray.exceptions.RayActorError as exc:
-                raise WorkerError(name, f"died ({exc.__class__.__name__}); create a new generation object") from exc
+                raise WorkerError(
+                    name, f"died ({exc.__class__.__name__}); create a new generation object"
+                ) from exc
             except ray.exceptions.GetTimeoutError as exc:
                 raise WorkerError(name, f"did not answer within {timeout_s} s") from exc
         return results

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from typing_extensions import NotRequired, TypedDict
-
 from rollgen.spec import GenerationConfig
+from typing_extensions import NotRequired, TypedDict
 
 
 class HfCfg(TypedDict):

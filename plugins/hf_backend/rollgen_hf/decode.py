@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from rollgen.sampling import SampleParams
 
 
@@ -73,9 +72,7 @@ def decode(
     greedy = temperature == 0
     stop_ids = [set(p.stop_token_ids) | eos_token_ids for p in params]
     has_stop_strings = [i for i, p in enumerate(params) if p.stop_strings]
-    row_gens = {
-        i: torch.Generator().manual_seed(p.seed) for i, p in enumerate(params) if p.seed is not None
-    }
+    row_gens = {i: torch.Generator().manual_seed(p.seed) for i, p in enumerate(params) if p.seed is not None}
 
     ids, mask = to_left_padded(input_ids, input_lengths, pad_token_id)
     ids, mask = ids.to(device), mask.to(device)

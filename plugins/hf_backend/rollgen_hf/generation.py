@@ -8,12 +8,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
-
 from rollgen.data import BatchedDataDict
 from rollgen.interface import BaseGeneration
 from rollgen.output import assemble_output
-from rollgen.refit import WeightBucket, WeightSpec, dtype_name
+from rollgen.refit import WeightBucket, WeightSpec, dtype_name, load_into_module
+from transformers import AutoModelForCausalLM
+
 from rollgen_hf.decode import decode
 
 logger = logging.getLogger(__name__)
@@ -35,9 +35,11 @@ class HfGeneration(BaseGeneration):
         kwargs = dict(self.cfg.get("hf_kwargs") or {})
         if "attn_implementation" in hf_cfg:
             kwargs["attn_implementation"] = hf_cfg["attn_implementation"]
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.cfg["model_name"], dtype=self.engine_dtype, **kwargs
-        ).to(self.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(self.cfg["model_name"], dtype=self.engine_dtype, **kwargs)
+            .to(self.device)
+            .eval()
+        )
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._generator = torch.Generator()
@@ -79,11 +81,8 @@ class HfGeneration(BaseGeneration):
     def _expected_weights(self) -> WeightSpec:
         return {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in self.model.state_dict().items()}
 
-    @torch.no_grad()
     def _apply_bucket(self, bucket: WeightBucket) -> None:
-        state = self.model.state_dict()
-        for name, tensor in bucket.unpack():
-            state[name].copy_(tensor)
+        load_into_module(self.model, bucket.unpack())
 
     def _sleep(self) -> None:
         if self.device.type == "cuda":

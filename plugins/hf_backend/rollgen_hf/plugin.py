@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rollgen import Backend, Capability, hookimpl
+
 from rollgen_hf.config import HfConfig
 
 CAPABILITIES = frozenset(

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
-from typing_extensions import NotRequired, TypedDict
-
 from rollgen.spec import GenerationConfig
+from typing_extensions import NotRequired, TypedDict
 
 
 class VllmCfg(TypedDict):

@@ -8,12 +8,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
-
 from rollgen.data import BatchedDataDict
 from rollgen.distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup, init_ray
 from rollgen.errors import ConfigError
 from rollgen.interface import BaseGeneration
 from rollgen.refit import WeightBucket, dtype_name
+
 from rollgen_vllm.config import VLLM_CFG_DEFAULTS
 
 logger = logging.getLogger(__name__)
@@ -23,7 +23,9 @@ class VllmGeneration(BaseGeneration):
     """Data parallelism = number of tied groups; batches are sharded across their leaders
     (uneven shards allowed) and merged back in order. Logprobs are vLLM's raw logprobs."""
 
-    def __init__(self, config: Mapping[str, Any], cluster: RayVirtualCluster | None = None, backend: Any = None) -> None:
+    def __init__(
+        self, config: Mapping[str, Any], cluster: RayVirtualCluster | None = None, backend: Any = None
+    ) -> None:
         super().__init__(config, cluster=cluster, backend=backend)
         vcfg = {**VLLM_CFG_DEFAULTS, **(self.cfg.get("vllm_cfg") or {})}
         init_ray()
@@ -33,11 +35,15 @@ class VllmGeneration(BaseGeneration):
         elif vcfg["enable_sleep_mode"] and not self.use_gpus:
             raise ConfigError("vllm_cfg.enable_sleep_mode: vLLM has no sleep mode on CPU; leave it 'auto'")
         tp = vcfg["tensor_parallel_size"]
-        self.cfg.update(vllm_cfg=vcfg, _engine_dtype=dtype_name(self.engine_dtype), _max_model_len=self.max_model_len)
+        self.cfg.update(
+            vllm_cfg=vcfg, _engine_dtype=dtype_name(self.engine_dtype), _max_model_len=self.max_model_len
+        )
         self._own_cluster = cluster is None
         if cluster is None:
             cpus = 1.0 if self.use_gpus else vcfg["cpus_per_bundle"]
-            cluster = RayVirtualCluster([tp * vcfg["data_parallel_size"]], self.use_gpus, cpus, name="rollgen-vllm")
+            cluster = RayVirtualCluster(
+                [tp * vcfg["data_parallel_size"]], self.use_gpus, cpus, name="rollgen-vllm"
+            )
         self.cluster = cluster
         if self.use_gpus:
             leader = {"num_gpus": 0.5 if tp == 1 else 0, "num_cpus": cluster.cpus_per_bundle / 2}

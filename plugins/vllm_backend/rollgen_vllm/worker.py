@@ -9,7 +9,6 @@ import pickle
 from typing import Any
 
 import torch
-
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.errors import RollgenError

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
-
 from rollgen import BaseGeneration, BatchedDataDict, WeightBucket
 from rollgen.output import assemble_output, pad_ragged
+from rollgen.refit import load_into_module
+from transformers import AutoModelForCausalLM
 
 
 class ExampleGeneration(BaseGeneration):
@@ -53,8 +53,5 @@ class ExampleGeneration(BaseGeneration):
             batch["input_ids"], batch["input_lengths"], gen_ids, gen_lps, lengths, self.cfg["pad_token_id"]
         )
 
-    @torch.no_grad()
     def _apply_bucket(self, bucket: WeightBucket) -> None:
-        state = self.model.state_dict()
-        for name, tensor in bucket.unpack():
-            state[name].copy_(tensor)
+        load_into_module(self.model, bucket.unpack())

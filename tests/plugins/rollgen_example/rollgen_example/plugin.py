@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from typing_extensions import NotRequired
-
 from rollgen import Backend, Capability, GenerationConfig, hookimpl
+from typing_extensions import NotRequired
 
 
 class ExampleConfig(GenerationConfig):
