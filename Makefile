@@ -6,7 +6,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 CONFORMANCE := $(PY) -m pytest -p rollgen.conformance --pyargs rollgen.conformance.suite -p no:cacheprovider -q -rs
 
-.PHONY: venv demo test test-unit test-conformance test-gpu
+.PHONY: venv demo test lint test-unit test-conformance test-gpu
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -14,12 +14,18 @@ venv:
 demo: venv
 	$(VENV)/bin/rollgen demo
 
-test: venv test-unit test-conformance
+test: venv lint test-unit test-conformance
+
+lint:
+	$(VENV)/bin/ruff check core plugins tests benchmarks
+	$(VENV)/bin/ruff format --check core plugins tests benchmarks
 
 test-unit:
 	$(PY) -m pytest tests -q -rs
 
 test-conformance:
+	# SGLang has no CPU build: on CPU this reports every test skipped, with the install hint.
+	$(CONFORMANCE) --rollgen-backend=sglang --rollgen-report=out/conformance-sglang.json
 	$(CONFORMANCE) --rollgen-backend=hf --rollgen-report=out/conformance-hf.json
 	$(CONFORMANCE) --rollgen-backend=example --rollgen-report=out/conformance-example.json
 	$(CONFORMANCE) --rollgen-backend=vllm --rollgen-report=out/conformance-vllm-tp1.json

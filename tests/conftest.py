@@ -1,4 +1,5 @@
 import pytest
+
 from rollgen.testing.tiny_model import tiny_model_dir
 
 

@@ -1,8 +1,9 @@
 """create_generation: typed, complete errors before any engine work; the engine stays usable."""
 
 import pytest
-import rollgen
 import torch
+
+import rollgen
 from rollgen import BackendNotFound, ConfigError, InputError
 
 

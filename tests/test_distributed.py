@@ -3,6 +3,7 @@
 import pytest
 import ray
 import torch
+
 from rollgen import BatchedDataDict, ConfigError, InputError, WorkerError
 from rollgen.distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup
 from rollgen.distributed.worker_groups import TiedGroup, tied_groups

@@ -4,8 +4,9 @@ Results and the exact commands: docs/gpu-results.md."""
 import importlib.util
 
 import pytest
-import rollgen
 import torch
+
+import rollgen
 from rollgen.conformance.base import PROMPTS, encode
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
 from rollgen.testing.reference import agreement, generated_mask

@@ -3,6 +3,7 @@
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rollgen.output import assemble_output, pad_ragged
 
 

@@ -3,8 +3,9 @@
 import multiprocessing as mp
 
 import pytest
-import rollgen
 import torch
+
+import rollgen
 from rollgen import RefitError
 from rollgen.refit import TensorMeta, check_against_spec, iter_buckets
 

@@ -6,6 +6,7 @@ import sys
 from importlib.metadata import EntryPoint
 
 import pytest
+
 from rollgen import BackendNotFound, BackendUnavailable
 from rollgen.registry import Registry
 

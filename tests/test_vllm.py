@@ -5,8 +5,9 @@ import importlib.util
 
 import pytest
 import ray
-import rollgen
 import torch
+
+import rollgen
 from rollgen import WorkerError
 from rollgen.conformance.base import PROMPTS, encode
 from rollgen.testing import load_reference_model, teacher_forced_logprobs

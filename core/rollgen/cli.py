@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 app = typer.Typer(help="rollgen: rollout generation for RL post-training.", no_args_is_help=True)
@@ -66,7 +67,11 @@ def backends(as_json: bool = typer.Option(False, "--json", help="machine-readabl
         detail = ", ".join(r["capabilities"]) if r["status"] == "ok" else (r["reason"] or "")
         style = "green" if r["status"] == "ok" else "yellow"
         table.add_row(
-            r["name"], r["distribution"] or "-", r["version"] or "-", f"[{style}]{r['status']}[/]", detail
+            r["name"],
+            r["distribution"] or "-",
+            r["version"] or "-",
+            f"[{style}]{r['status']}[/]",
+            escape(detail),
         )
     console.print(table)
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from rollgen.data import BatchedDataDict
+from rollgen.errors import RollgenError
 
 
 def pad_ragged(
@@ -72,3 +73,20 @@ def assemble_output(
             "unpadded_sequence_lengths": input_lengths.long() + gen_lengths.long(),
         }
     )
+
+
+def assemble_from_lists(
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    tokens: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]],
+    pad_token_id: int,
+) -> BatchedDataDict[Any]:
+    """``assemble_output`` from per-sample token and logprob lists (as engines return them);
+    a sample whose logprobs do not match its tokens raises instead of being padded over."""
+    bad = [i for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)) if len(t) != len(lp)]
+    if bad:
+        raise RollgenError(f"the engine returned logprobs that do not match the tokens of samples {bad}")
+    gen_ids, gen_lengths = pad_ragged(tokens, 0, torch.long)
+    gen_lps, _ = pad_ragged(logprobs, 0.0, torch.float32)
+    return assemble_output(input_ids, input_lengths, gen_ids, gen_lps, gen_lengths, pad_token_id)

@@ -60,6 +60,21 @@ class GenerationConfig(TypedDict):
     max_model_len: NotRequired[PositiveInt | None]
 
 
+class RayEngineCfg(TypedDict):
+    """Keys every Ray-actor backend's engine sub-dict shares (``vllm_cfg``, ``sglang_cfg``);
+    defaults in ``rollgen.distributed.generation.RAY_ENGINE_DEFAULTS``."""
+
+    __pydantic_config__ = _STRICT  # type: ignore[misc]
+
+    tensor_parallel_size: NotRequired[PositiveInt]
+    #: Engines to start when no cluster is given (with a cluster: its tied groups decide).
+    data_parallel_size: NotRequired[PositiveInt]
+    #: "auto": on where the engine supports it (CUDA), off on CPU.
+    enable_sleep_mode: NotRequired[bool | Literal["auto"]]
+    #: CPU bundles reserve this many Ray CPUs each (fractions leave room on small machines).
+    cpus_per_bundle: NotRequired[Annotated[float, Field(gt=0)]]
+
+
 #: Values used for the optional shared keys a config leaves out.
 CONFIG_DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,

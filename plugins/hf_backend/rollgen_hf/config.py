@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from rollgen.spec import GenerationConfig
 from typing_extensions import NotRequired, TypedDict
+
+from rollgen.spec import GenerationConfig
 
 
 class HfCfg(TypedDict):

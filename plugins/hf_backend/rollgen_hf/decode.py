@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from rollgen.sampling import SampleParams
 
 

@@ -8,12 +8,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM
+
 from rollgen.data import BatchedDataDict
 from rollgen.interface import BaseGeneration
 from rollgen.output import assemble_output
 from rollgen.refit import WeightBucket, WeightSpec, dtype_name, load_into_module
-from transformers import AutoModelForCausalLM
-
 from rollgen_hf.decode import decode
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from rollgen import Backend, Capability, hookimpl
-
 from rollgen_hf.config import HfConfig
 
 CAPABILITIES = frozenset(

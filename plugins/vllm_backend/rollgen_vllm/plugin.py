@@ -6,7 +6,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rollgen import Backend, Capability, hookimpl
-
 from rollgen_vllm.config import VllmConfig
 
 CAPABILITIES = frozenset(

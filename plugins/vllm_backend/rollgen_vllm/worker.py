@@ -9,10 +9,11 @@ import pickle
 from typing import Any
 
 import torch
+
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.errors import RollgenError
-from rollgen.output import assemble_output, pad_ragged
+from rollgen.output import assemble_from_lists
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +104,7 @@ class VllmWorker:
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         logprobs = [self._logprobs(o.outputs[0]) for o in outputs]
-        bad = [i for i, (t, lp) in enumerate(zip(tokens, logprobs)) if len(t) != len(lp)]
-        if bad:
-            raise RollgenError(f"vLLM returned logprobs that do not match the tokens of samples {bad}")
-        gen_ids, gen_lengths = pad_ragged(tokens, 0, torch.long)
-        gen_lps, _ = pad_ragged(logprobs, 0.0, torch.float32)
-        return assemble_output(ids, lengths, gen_ids, gen_lps, gen_lengths, self.cfg["pad_token_id"])
+        return assemble_from_lists(ids, lengths, tokens, logprobs, self.cfg["pad_token_id"])
 
     def _logprobs(self, completion: Any) -> list[float]:
         lps = completion.logprobs

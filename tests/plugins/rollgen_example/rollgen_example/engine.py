@@ -6,10 +6,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from rollgen import BaseGeneration, BatchedDataDict, WeightBucket
-from rollgen.output import assemble_output, pad_ragged
-from rollgen.refit import load_into_module
 from transformers import AutoModelForCausalLM
+
+from rollgen import BaseGeneration, BatchedDataDict, WeightBucket
+from rollgen.output import assemble_from_lists
+from rollgen.refit import load_into_module
 
 
 class ExampleGeneration(BaseGeneration):
@@ -47,10 +48,8 @@ class ExampleGeneration(BaseGeneration):
                     break
             rows.append(gen)
             lps.append(gen_lp)
-        gen_ids, lengths = pad_ragged(rows, 0, torch.long)
-        gen_lps, _ = pad_ragged(lps, 0.0, torch.float32)
-        return assemble_output(
-            batch["input_ids"], batch["input_lengths"], gen_ids, gen_lps, lengths, self.cfg["pad_token_id"]
+        return assemble_from_lists(
+            batch["input_ids"], batch["input_lengths"], rows, lps, self.cfg["pad_token_id"]
         )
 
     def _apply_bucket(self, bucket: WeightBucket) -> None:

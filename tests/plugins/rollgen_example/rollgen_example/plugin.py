@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rollgen import Backend, Capability, GenerationConfig, hookimpl
 from typing_extensions import NotRequired
+
+from rollgen import Backend, Capability, GenerationConfig, hookimpl
 
 
 class ExampleConfig(GenerationConfig):

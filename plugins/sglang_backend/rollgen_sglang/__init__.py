@@ -1,0 +1,1 @@
+"""rollgen's SGLang backend (``"sglang"``): offline ``sglang.Engine`` in Ray actors."""

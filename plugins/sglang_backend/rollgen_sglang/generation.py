@@ -1,0 +1,16 @@
+"""``SglangGeneration``: the trainer-facing side of the SGLang backend (docs/sglang.md)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from rollgen.distributed import RayGeneration
+from rollgen_sglang.config import SGLANG_CFG_DEFAULTS
+
+
+class SglangGeneration(RayGeneration):
+    """SGLang engines in Ray actors; tensor parallelism is SGLang's own, inside a tied group."""
+
+    worker_cls = "rollgen_sglang.worker:SglangWorker"
+    engine_key = "sglang_cfg"
+    engine_defaults: ClassVar[dict[str, Any]] = SGLANG_CFG_DEFAULTS

@@ -1,0 +1,43 @@
+"""Entry point of the ``sglang`` backend: registers it without importing sglang or ray."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rollgen import Backend, Capability, hookimpl
+from rollgen_sglang.config import SglangConfig
+
+CAPABILITIES = frozenset(
+    {
+        Capability.TEXT,
+        Capability.LOGPROBS,
+        Capability.STOP_STRINGS,
+        Capability.PER_SAMPLE_SAMPLING,
+        Capability.SLEEP_WAKE,
+        Capability.REFIT_IPC,
+        Capability.TENSOR_PARALLEL,
+        Capability.DATA_PARALLEL,
+    }
+)
+
+
+@hookimpl
+def rollgen_register_backends(register: Callable[[Backend], None]) -> None:
+    register(
+        Backend(
+            name="sglang",
+            factory="rollgen_sglang.generation:SglangGeneration",
+            config_type=SglangConfig,
+            capabilities=CAPABILITIES,
+            requires=("sglang", "ray"),
+            install_hint="pip install 'rollgen[sglang]' (CUDA only: SGLang has no CPU wheel)",
+            description="SGLang offline engines as Ray actors: TP inside the engine, DP sharding",
+        )
+    )
+
+
+@hookimpl
+def rollgen_conformance_config(backend: str, base: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """Small engines for the tiny model, several alive at once."""
+    return {"sglang_cfg": {"mem_fraction_static": 0.15}} if backend == "sglang" else None
