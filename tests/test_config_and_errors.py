@@ -72,3 +72,10 @@ def test_processed_logprobs_follow_temperature(hf_config: dict, pad_id: int) -> 
             ref, out["output_ids"], lengths, out["unpadded_sequence_lengths"], temperature=temp
         )
         assert agreement(out["logprobs"], expected, generated_mask(out, lengths))["max_abs"] < 1e-4
+
+
+def test_unseeded_engines_draw_different_samples(hf_config: dict) -> None:
+    batch = {"input_ids": torch.tensor([[5, 6, 7]] * 8), "input_lengths": torch.tensor([3] * 8)}
+    cfg = {**hf_config, "temperature": 1.5, "seed": None}
+    with rollgen.create_generation(cfg) as a, rollgen.create_generation(cfg) as b:
+        assert not torch.equal(a.generate(batch)["output_ids"], b.generate(batch)["output_ids"])

@@ -76,7 +76,6 @@ class RayWorkerGroup:
         for i, group in enumerate(self.groups):
             env = {**(env_vars or {}), **(per_group_env[i] if per_group_env else {})}
             options = {
-                "name": None,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=pgs[group.node],
                     placement_group_bundle_index=group.bundle_indices[0],

@@ -43,7 +43,9 @@ class HfGeneration(BaseGeneration):
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._generator = torch.Generator()
-        if self.cfg.get("seed") is not None:
+        if self.cfg.get("seed") is None:
+            self._generator.seed()  # unseeded runs differ from each other
+        else:
             self._generator.manual_seed(int(self.cfg["seed"]))
 
     @property
