@@ -48,6 +48,21 @@ class GenerationInterface(ABC):
         """Apply packed weight buckets (validated first; RefitError leaves old weights)."""
 
     @abstractmethod
+    def refit(
+        self,
+        source: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        bucket_bytes: int = refit_mod.DEFAULT_BUCKET_BYTES,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Push a local model or state dict into the engine (validated, bucketed)."""
+
+    @property
+    @abstractmethod
+    def engine_dtype(self) -> torch.dtype:
+        """The dtype the engine holds weights in (what a refit must send, or cast to)."""
+
+    @abstractmethod
     def shutdown(self) -> None:
         """Release the engine. Idempotent."""
 

@@ -82,7 +82,7 @@ def validate_generation_input(
     if out_of_vocab.any():
         _fail(out_of_vocab.any(dim=1).nonzero().flatten(), f"token ids outside [0, {vocab_size})")
 
-    checked = BatchedDataDict(dict(data))
+    checked: BatchedDataDict[Any] = BatchedDataDict(dict(data))
     checked["input_ids"], checked["input_lengths"] = ids, lengths
     _check_stop_strings(checked, batch)
     _check_per_sample(checked, batch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ def agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict[str,
     }
 
 
-def generated_mask(out: dict[str, torch.Tensor], input_lengths: torch.Tensor) -> torch.Tensor:
+def generated_mask(out: Mapping[str, torch.Tensor], input_lengths: torch.Tensor) -> torch.Tensor:
     """True at the generated positions of a GenerationOutputSpec."""
     positions = torch.arange(out["output_ids"].shape[1]).unsqueeze(0)
     return (positions >= input_lengths.unsqueeze(1)) & (

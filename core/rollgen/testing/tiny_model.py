@@ -20,7 +20,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
-_RECIPE_VERSION = 1
+_RECIPE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,8 @@ def _build(recipe: TinyModelRecipe, out: Path) -> None:
     )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD)
     tokenizer.save_pretrained(out)
-    eos_id, pad_id = tokenizer.convert_tokens_to_ids([EOS, PAD])
+    eos_id, pad_id = tok.token_to_id(EOS), tok.token_to_id(PAD)
+    assert eos_id is not None and pad_id is not None  # the trainer added both special tokens
 
     config = Qwen2Config(
         vocab_size=recipe.vocab_size,
@@ -126,7 +127,7 @@ def _build(recipe: TinyModelRecipe, out: Path) -> None:
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(recipe.seed)
     model = Qwen2ForCausalLM(config)

@@ -71,7 +71,10 @@ def decode(
     top_p = torch.tensor([p.top_p for p in params], device=device)
     budget = torch.tensor([p.max_new_tokens for p in params])
     greedy = temperature == 0
-    stop_ids = [set(p.stop_token_ids) | eos_token_ids for p in params]
+    stop_sets = [sorted(set(p.stop_token_ids) | eos_token_ids) for p in params]
+    stop_table = torch.full((batch, max(1, max(len(x) for x in stop_sets))), -1, dtype=torch.long)
+    for i, ids_i in enumerate(stop_sets):
+        stop_table[i, : len(ids_i)] = torch.tensor(ids_i, dtype=torch.long)
     has_stop_strings = [i for i, p in enumerate(params) if p.stop_strings]
     row_gens = {i: torch.Generator().manual_seed(p.seed) for i, p in enumerate(params) if p.seed is not None}
 
@@ -87,7 +90,6 @@ def decode(
     logprobs = torch.zeros((batch, steps), dtype=torch.float32)
     lengths = torch.zeros(batch, dtype=torch.long)
     done = torch.zeros(batch, dtype=torch.bool)
-    generated: list[list[int]] = [[] for _ in range(batch)]
     for step in range(steps):
         raw = logits.log_softmax(-1)
         processed = process_logits(logits, temperature, top_k, top_p).log_softmax(-1)
@@ -98,16 +100,14 @@ def decode(
         chosen = torch.where(greedy, logits.argmax(-1), sampled)
         lp = (processed if processed_logprobs else raw).gather(1, chosen.unsqueeze(1)).squeeze(1)
         active = ~done
-        tokens[active, step] = chosen.cpu()[active]
+        chosen_cpu = chosen.cpu()
+        tokens[active, step] = chosen_cpu[active]
         logprobs[active, step] = lp.cpu()[active]
         lengths += active.long()
-        chosen_list = chosen.tolist()
-        for i in active.nonzero().flatten().tolist():
-            generated[i].append(chosen_list[i])
-            if chosen_list[i] in stop_ids[i] or lengths[i] >= budget[i]:
-                done[i] = True
+        hit_stop_id = (stop_table == chosen_cpu.unsqueeze(1)).any(dim=1)
+        done |= active & (hit_stop_id | (lengths >= budget))
         for i in has_stop_strings:
-            if not done[i] and stop_hit(i, generated[i]):
+            if active[i] and not done[i] and stop_hit(i, tokens[i, : lengths[i]].tolist()):
                 done[i] = True
         if done.all():
             break
