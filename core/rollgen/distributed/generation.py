@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import pickle
 from collections.abc import Mapping
+from contextlib import ExitStack
 from typing import Any, ClassVar
 
 import ray
@@ -70,7 +71,8 @@ class RayGeneration(BaseGeneration):
         else:
             leader = {"num_cpus": cluster.cpus_per_bundle}
         self.local_transport = "cuda_ipc" if self.use_gpus else "shared_memory"
-        try:
+        with ExitStack() as on_failure:  # a failed start frees what it reserved
+            on_failure.callback(self._release)
             self.group = RayWorkerGroup(
                 cluster,
                 RayWorkerBuilder(self.worker_cls, self.cfg, self.use_gpus),
@@ -79,9 +81,7 @@ class RayGeneration(BaseGeneration):
                 leader_resources=leader,
             )
             self.engine_info = self.group.call_all("ready")
-        except BaseException:
-            self._release()
-            raise
+            on_failure.pop_all()
         logger.info("%s up: dp=%d tp=%d %s", self.name, self.group.dp_size, tp, self.engine_info[0])
 
     @property

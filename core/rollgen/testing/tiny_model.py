@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -78,16 +77,13 @@ def tiny_model_dir(recipe: TinyModelRecipe | None = None, trained: bool = True) 
     if (target / "model.safetensors").is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
-    try:
-        _build(recipe, tmp)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        build = Path(tmp) / "model"
+        _build(recipe, build)
         try:
-            tmp.rename(target)
+            build.rename(target)
         except OSError:  # another process finished first; theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            logger.info("tiny model %s was built concurrently; keeping the first", recipe.key())
     return str(target)
 
 
