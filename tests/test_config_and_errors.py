@@ -11,6 +11,8 @@ def test_unknown_backend_names_what_is_installed(hf_config: dict) -> None:
     with pytest.raises(BackendNotFound) as info:
         rollgen.create_generation({**hf_config, "backend": "nope"})
     assert "'nope'" in str(info.value) and "hf" in str(info.value) and "pip install" in str(info.value)
+    with pytest.raises(BackendNotFound, match="Did you mean 'vllm'"):
+        rollgen.create_generation({**hf_config, "backend": "vlm"})
 
 
 def test_missing_backend_key(hf_config: dict) -> None:

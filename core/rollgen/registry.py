@@ -7,6 +7,7 @@ Environment (the one place these are defined):
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import logging
@@ -201,12 +202,14 @@ class Registry:
                 f"plugin {name!r} ({record.distribution or 'unknown distribution'}) is broken: {record.error}"
             ) from record.error
         installed = ", ".join(sorted(self.backends)) or "none"
+        close = difflib.get_close_matches(name, list(self.backends), n=1)
+        guess = f" Did you mean {close[0]!r}?" if close else ""
         broken = [p.name for p in self.plugins.values() if p.status == "broken"]
         disabled = [p.name for p in self.plugins.values() if p.status == "disabled"]
         extra = f"; broken plugins: {', '.join(broken)}" if broken else ""
         extra += f"; disabled by {ALLOW_ENV}/{BLOCK_ENV}: {', '.join(disabled)}" if disabled else ""
         raise BackendNotFound(
-            f"no rollgen backend named {name!r}. Installed: {installed}{extra}. Built-in engines "
+            f"no rollgen backend named {name!r}.{guess} Installed: {installed}{extra}. Built-in engines "
             "come as extras (pip install 'rollgen[hf]', 'rollgen[vllm]', 'rollgen[sglang]'); a "
             "third-party backend is a distribution with an entry point in group 'rollgen'"
         )
