@@ -358,6 +358,38 @@ class BackendConformance:
         for k, v in stats.items():
             request.node.user_properties.append((k, v))
 
+    def test_processed_logprobs(
+        self,
+        request: pytest.FixtureRequest,
+        make_engine: Callable[..., Any],
+        caps: frozenset[Capability],
+        references: Callable[[str, str], Any],
+        model_dir: str,
+        batch: dict[str, torch.Tensor],
+    ) -> None:
+        """``logprobs_mode="processed"``: logprobs of the tempered distribution that was sampled."""
+        overrides = {"logprobs_mode": "processed", "temperature": 0.7}
+        if Capability.PROCESSED_LOGPROBS not in caps:
+            with pytest.raises(UnsupportedCapability):
+                make_engine(**overrides)
+            pytest.skip("processed_logprobs not declared (UnsupportedCapability asserted)")
+        engine = make_engine(**overrides)
+        try:
+            out = engine.generate(batch)
+        finally:
+            engine.shutdown()
+        lengths = batch["input_lengths"]
+        ref = teacher_forced_logprobs(
+            references(model_dir, "float32"),
+            out["output_ids"],
+            lengths,
+            out["unpadded_sequence_lengths"],
+            0.7,
+        )
+        stats = agreement(out["logprobs"], ref, generated_mask(out, lengths))
+        request.node.user_properties.extend(stats.items())
+        assert stats["max_abs"] <= fp32_bound()["max_abs"], stats
+
     # ---- refit ---------------------------------------------------------------------------------
     def test_refit_follows_new_weights(
         self,
@@ -504,6 +536,10 @@ class BackendConformance:
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+def fp32_bound() -> dict[str, float]:
+    return BOUNDS["float32-cuda" if torch.cuda.is_available() else "float32"]
+
+
 def can_refit(caps: frozenset[Capability]) -> bool:
     return bool({Capability.REFIT_TENSORS, Capability.REFIT_IPC} & caps)
 
@@ -555,7 +591,7 @@ def check_against_reference(
     else:
         gap = (top - ref)[mismatch]
         assert (gap < BF16_TIE_GAP).all(), f"non-tie greedy mismatch (gaps {gap.tolist()})"
-    bound = BOUNDS[f"{dtype}-cuda" if dtype == "float32" and torch.cuda.is_available() else dtype]
+    bound = fp32_bound() if dtype == "float32" else BOUNDS[dtype]
     assert stats["max_abs"] <= bound["max_abs"], stats
     assert stats["token_mult_prob_error"] <= bound["token_mult_prob_error"], stats
     return stats

@@ -12,6 +12,7 @@ CAPABILITIES = frozenset(
     {
         Capability.TEXT,
         Capability.LOGPROBS,
+        Capability.PROCESSED_LOGPROBS,
         Capability.STOP_STRINGS,
         Capability.PER_SAMPLE_SAMPLING,
         Capability.SLEEP_WAKE,

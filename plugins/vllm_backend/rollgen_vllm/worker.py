@@ -63,6 +63,7 @@ class VllmWorker:
             "seed": 0 if cfg["seed"] is None else int(cfg["seed"]),
             "generation_config": "vllm",
             "disable_log_stats": True,
+            "logprobs_mode": "processed_logprobs" if cfg["logprobs_mode"] == "processed" else "raw_logprobs",
         }
         if use_gpus:
             kwargs["gpu_memory_utilization"] = vcfg["gpu_memory_utilization"]
