@@ -1,3 +1,7 @@
+import json
+import subprocess
+import sys
+
 import pytest
 
 from rollgen.testing.tiny_model import tiny_model_dir
@@ -24,6 +28,18 @@ def hf_config(model_dir: str, pad_id: int) -> dict:
         "pad_token_id": pad_id,
         "dtype": "float32",
     }
+
+
+@pytest.fixture(scope="session")
+def cli_backends() -> dict:
+    """``rollgen backends --json`` from a fresh process, by backend name."""
+    out = subprocess.run(
+        [sys.executable, "-m", "rollgen.cli", "backends", "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return {r["name"]: r for r in json.loads(out)}
 
 
 def pytest_collection_modifyitems(config, items) -> None:

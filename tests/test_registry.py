@@ -74,14 +74,8 @@ def test_builtin_backends_come_from_entry_points_without_engine_imports() -> Non
     assert out["loaded"] == []
 
 
-def test_cli_backends_json() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "rollgen.cli", "backends", "--json"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    rows = {r["name"]: r for r in json.loads(out)}
+def test_cli_backends_json(cli_backends: dict) -> None:
+    rows = cli_backends
     assert rows["hf"]["importable"] and rows["hf"]["distribution"] == "rollgen"
     assert "refit_tensors" in rows["hf"]["capabilities"]
     assert rows["example"]["distribution"] == "rollgen-example"

@@ -2,9 +2,6 @@
 with the install hint, its config validated; no engine stands in for SGLang here."""
 
 import importlib.util
-import json
-import subprocess
-import sys
 
 import pytest
 
@@ -28,14 +25,8 @@ def test_registered_with_capabilities() -> None:
 
 
 @needs_no_sglang
-def test_listed_unavailable_with_install_hint() -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "rollgen.cli", "backends", "--json"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    row = {r["name"]: r for r in json.loads(out)}["sglang"]
+def test_listed_unavailable_with_install_hint(cli_backends: dict) -> None:
+    row = cli_backends["sglang"]
     assert row["importable"] is False and row["status"] == "unavailable"
     assert "rollgen[sglang]" in row["reason"] and "sglang" in row["reason"]
 

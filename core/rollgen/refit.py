@@ -71,10 +71,6 @@ class WeightBucket:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _keepalive=[])
 
-    @property
-    def nbytes(self) -> int:
-        return sum(_numel(m.shape) * _itemsize(m.dtype) for m in self.metas)
-
     def resolve(self) -> WeightBucket:
         """Map a received shared-memory bucket into this process (its handles open once), so it
         can be unpacked here and re-sent onwards with fresh handles. Returns self."""
@@ -249,14 +245,3 @@ def check_against_spec(metas: Iterable[TensorMeta], expected: WeightSpec) -> Non
             "engine keeps its previous weights",
             problems,
         )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _itemsize(dtype: str) -> int:
-    return getattr(torch, dtype).itemsize

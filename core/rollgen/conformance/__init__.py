@@ -66,7 +66,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.stash[_RESULTS] = []
+    config.pluginmanager.register(_JsonReport(config), "rollgen-json-report")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -83,43 +83,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
-        outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
-        _current_config().stash[_RESULTS].append(
-            {
-                "test": report.nodeid.split("::", 1)[-1],
-                "outcome": outcome,
-                "duration_s": round(report.duration, 3),
-                "details": dict(report.user_properties),
-                "reason": str(report.longrepr[2])
-                if report.skipped and isinstance(report.longrepr, tuple)
-                else None,
-            }
-        )
+class _JsonReport:
+    """Collects each test's outcome and recorded details; writes ``--rollgen-report``."""
 
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.results: list[dict[str, Any]] = []
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    path = session.config.getoption("--rollgen-report")
-    if not path:
-        return
-    results = session.config.stash[_RESULTS]
-    counts: dict[str, int] = {}
-    for r in results:
-        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    report = {"header": _backend_header(session.config), "summary": counts, "tests": results}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=2, default=str))
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+            outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
+            self.results.append(
+                {
+                    "test": report.nodeid.split("::", 1)[-1],
+                    "outcome": outcome,
+                    "duration_s": round(report.duration, 3),
+                    "details": dict(report.user_properties),
+                    "reason": str(report.longrepr[2])
+                    if report.skipped and isinstance(report.longrepr, tuple)
+                    else None,
+                }
+            )
 
-
-_RESULTS = pytest.StashKey[list]()
-_CONFIG: list[pytest.Config] = []
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session: pytest.Session) -> None:
-    _CONFIG[:] = [session.config]
-
-
-def _current_config() -> pytest.Config:
-    return _CONFIG[0]
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        path = self.config.getoption("--rollgen-report")
+        if not path:
+            return
+        counts: dict[str, int] = {}
+        for r in self.results:
+            counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+        report = {"header": _backend_header(self.config), "summary": counts, "tests": self.results}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=2, default=str))
