@@ -61,3 +61,55 @@ def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+# ---- GPU engine benchmarks ------------------------------------------------------------------------
+
+#: Qwen2.5-1.5B's dimensions (the issue's workload); weights are vLLM's/SGLang's "dummy" ones.
+QWEN25_1P5B: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+}
+
+
+def qwen25_1p5b_dir(root: str = "/tmp/rollgen-bench/qwen2.5-1.5b-shape") -> str:
+    """A model folder with only Qwen2.5-1.5B's config.json (no weights, no tokenizer)."""
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(QWEN25_1P5B, indent=2))
+    return str(path)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """``n`` prompts of ``length`` random token ids (no padding needed: equal lengths)."""
+    return torch.randint(10, vocab - 10, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def gpu_used_gib(device: int = 0) -> float:
+    """Device-wide memory in use (every process), GiB."""
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) / 2**30
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds one call takes, synchronising CUDA (where there is one) before and after."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t

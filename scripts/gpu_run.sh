@@ -1,16 +1,31 @@
 #!/usr/bin/env bash
-# Runs a command on the lent GPU machine, after ../shared/gpu staging of the vllm-ray wheel set
-# (docs/gpu-results.md has the exact calls). Installs rollgen (with its entry points) into
-# /tmp/rg, then runs "$@" with the environment the GPU notes prescribe.
+# Runs a command on the lent GPU machine after ../shared/gpu staging (docs/gpu-results.md has the
+# exact calls):  bash scripts/gpu_run.sh SET COMMAND...   with SET = vllm-ray or sglang.
+# Installs rollgen (with its entry points) into /tmp/rg once, puts the staged wheel set on
+# PYTHONPATH (for sglang: plus Ray alone, linked from the vllm-ray set, which must be staged too;
+# the two sets are never mixed otherwise) and sets the environment the GPU notes prescribe.
 set -uo pipefail
-export PYTHONPATH=/opt/gpu-site/vllm-ray:$PWD/.gpu/bin PATH=/opt/gpu-site/vllm-ray/bin:$PATH
+set_=${1:?usage: gpu_run.sh vllm-ray|sglang COMMAND...}
+shift
+site=/opt/gpu-site/$set_
+[ -d "$site" ] || { echo "gpu_run: $site missing: stage the $set_ wheel set first"; exit 1; }
+export PYTHONPATH=$site:$PWD/.gpu/bin PATH=$site/bin:$PATH
+if [ "$set_" = sglang ]; then
+  ray_only=/tmp/ray-only
+  if [ ! -d $ray_only ]; then
+    mkdir -p $ray_only
+    for f in /opt/gpu-site/vllm-ray/{ray,ray-2.*,jsonschema,jsonschema-*,jsonschema_specifications*,referencing*,rpds*}; do
+      [ -e "$f" ] && ln -s "$f" $ray_only/
+    done
+  fi
+  export PYTHONPATH=$PYTHONPATH:$ray_only
+fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 export RAY_AUTH_MODE=disabled VLLM_ALLREDUCE_USE_SYMM_MEM=0 NCCL_NVLS_ENABLE=0
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 ROLLGEN_CACHE_DIR=/tmp/rgcache
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2=0
+export ROLLGEN_CACHE_DIR=/tmp/rgcache
 if [ ! -d /tmp/rg/rollgen ]; then
   python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/rg . || exit 1
 fi
 export PYTHONPATH=/tmp/rg:$PYTHONPATH
-nvidia-smi -L
-python3 -c "import vllm, torch, ray, transformers as t; print('vllm', vllm.__version__, 'torch', torch.__version__, 'ray', ray.__version__, 'transformers', t.__version__)"
 "$@"

@@ -10,6 +10,7 @@ through ``rollgen_conformance_known_failures``.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import platform
 from pathlib import Path
@@ -52,8 +53,25 @@ def _backend_header(config: pytest.Config) -> dict[str, Any]:
             capabilities=sorted(c.value for c in entry.backend.capabilities),
             available=entry.available,
             unavailable_reason=entry.unavailable_reason(),
+            engine_versions={m: _version(m) for m in ("torch", *entry.backend.requires)},
+            device=_device(),
         )
     return header
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"cpu ({platform.processor() or platform.machine()})"
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -62,6 +80,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"rollgen {h['core_version']} (spec v{h['spec_version']}) conformance: backend "
         f"{h['backend']!r} from {h.get('distribution')} {h.get('version')}",
         f"capabilities: {', '.join(h.get('capabilities', [])) or '-'}",
+        f"versions: {h.get('engine_versions')}; device: {h.get('device')}",
     ]
 
 

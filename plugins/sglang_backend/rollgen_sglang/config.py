@@ -18,6 +18,9 @@ class SglangCfg(RayEngineCfg):
     disable_cuda_graph: NotRequired[bool]
     load_format: NotRequired[str]
     log_level: NotRequired[str]
+    #: SGLang honours per-request sampling seeds only with deterministic inference (batch-invariant
+    #: kernels, PyTorch sampling). None: on when the config has a ``seed``.
+    deterministic_inference: NotRequired[bool | None]
 
 
 SGLANG_CFG_DEFAULTS: dict[str, Any] = {
@@ -26,6 +29,7 @@ SGLANG_CFG_DEFAULTS: dict[str, Any] = {
     "disable_cuda_graph": False,
     "load_format": "auto",
     "log_level": "error",
+    "deterministic_inference": None,
 }
 
 

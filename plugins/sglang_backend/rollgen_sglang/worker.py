@@ -9,6 +9,7 @@ from typing import Any
 
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.worker_groups import TiedGroup
+from rollgen.errors import InputError, RefitError
 from rollgen.output import assemble_from_lists
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class SglangWorker:
         import sglang
 
         self.sleep_enabled = bool(scfg["enable_sleep_mode"])
+        deterministic = scfg["deterministic_inference"]
+        self.seeded = cfg["seed"] is not None if deterministic is None else bool(deterministic)
         kwargs: dict[str, Any] = {
             "model_path": cfg["model_name"],
             "dtype": cfg["_engine_dtype"],
@@ -63,9 +66,12 @@ class SglangWorker:
             "context_length": cfg["_max_model_len"],
             "random_seed": 0 if cfg["seed"] is None else int(cfg["seed"]),
             "log_level": scfg["log_level"],
+            "enable_deterministic_inference": self.seeded,
         }
         if tp > 1:
             kwargs["enforce_disable_flashinfer_allreduce_fusion"] = True
+        if cfg["_engine_dtype"] == "float32":
+            kwargs["attention_backend"] = "triton"  # FA3 (Hopper's default) takes half precision only
         kwargs.update(cfg.get("sglang_kwargs") or {})
         self.engine = sglang.Engine(**kwargs)
         self.version = sglang.__version__
@@ -88,6 +94,11 @@ class SglangWorker:
                 "no_stop_trim": True,
             }
             if p.seed is not None:
+                if not self.seeded:
+                    raise InputError(
+                        "SGLang ignores per-sample seeds without deterministic inference; "
+                        "set sglang_cfg.deterministic_inference (or leave it None with a config seed)"
+                    )
                 sp["sampling_seed"] = p.seed
             params.append(sp)
         outputs = self.engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
@@ -97,9 +108,13 @@ class SglangWorker:
 
     def apply_bucket(self, data: bytes) -> None:
         """Rebuild the CUDA IPC tensors on this GPU and hand them to SGLang, which loads them into
-        every TP rank (each keeps its shard)."""
+        every TP rank (each keeps its shard). torch cannot pass on a tensor it received over IPC,
+        so each is copied once on the device first (one bucket at a time, so bounded)."""
         bucket = pickle.loads(data).resolve()
-        self.engine.update_weights_from_tensor(bucket.unpack("cuda:0"), flush_cache=False)
+        named = [(name, t.clone()) for name, t in bucket.unpack("cuda:0")]
+        ok, message = self.engine.update_weights_from_tensor(named, flush_cache=False)
+        if not ok:
+            raise RefitError(f"SGLang did not load the bucket: {message}")
 
     def reset_prefix_cache(self) -> None:
         self.engine.flush_cache()
@@ -111,7 +126,9 @@ class SglangWorker:
 
     def wake(self, tags: list[str]) -> None:
         if self.sleep_enabled:
-            self.engine.resume_memory_occupation(tags=tags)
+            # release_memory_occupation() also paused the CUDA graphs: they come back with the KV cache
+            extra = ["cuda_graph"] if "kv_cache" in tags else []
+            self.engine.resume_memory_occupation(tags=[*tags, *extra])
 
     def shutdown(self) -> None:
         engine, self.engine = getattr(self, "engine", None), None

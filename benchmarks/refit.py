@@ -1,0 +1,59 @@
+"""Colocated refit by CUDA IPC: end-to-end time and GB/s of a full-model refit, by bucket size,
+against the physical floor (a device-to-device copy of the same bytes on the same GPU)."""
+
+from __future__ import annotations
+
+import statistics
+from functools import partial
+from typing import Any
+
+import torch
+
+from benchmarks.common import timed
+
+
+def random_state(
+    spec: dict[str, tuple[tuple[int, ...], str]], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """A state dict with the served model's names, shapes and dtypes, random values on ``device``."""
+    return {
+        name: torch.empty(shape, dtype=getattr(torch, dtype), device=device).normal_(0, 0.02)
+        for name, (shape, dtype) in spec.items()
+    }
+
+
+def copy_floor(nbytes: int, device: torch.device, repeats: int) -> float:
+    """Median seconds of one device-to-device copy of ``nbytes``."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy = partial(dst.copy_, src)
+    copy()
+    return statistics.median(timed(copy) for _ in range(repeats))
+
+
+def measure(
+    gen: Any, state: dict[str, torch.Tensor], bucket_mib: list[int], repeats: int
+) -> list[dict[str, Any]]:
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    floor = copy_floor(nbytes, next(iter(state.values())).device, repeats=5)
+    torch.cuda.empty_cache()
+    rows = []
+    for mib in bucket_mib:
+        fn = partial(gen.refit, state, bucket_bytes=mib << 20)
+        fn()  # warm-up
+        times = [timed(fn) for _ in range(repeats)]
+        med = statistics.median(times)
+        rows.append(
+            {
+                "bucket_mib": mib,
+                "tensors": len(state),
+                "gb": nbytes / 1e9,
+                "refit_ms": med * 1e3,
+                "refit_ms_min": min(times) * 1e3,
+                "refit_ms_max": max(times) * 1e3,
+                "gb_s": nbytes / 1e9 / med,
+                "d2d_copy_ms": floor * 1e3,
+                "vs_floor": med / floor,
+            }
+        )
+    return rows

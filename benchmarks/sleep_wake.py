@@ -1,0 +1,36 @@
+"""Sleep and wake: latency and the device memory released and retaken, rollgen (staged wake:
+weights, then KV cache) beside the raw engine's own calls."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.common import gpu_used_gib, timed
+
+
+def cycle(sleep: Callable[[], Any], wakes: list[Callable[[], Any]], device: int) -> dict[str, float]:
+    awake = gpu_used_gib(device)
+    t_sleep = timed(sleep)
+    asleep = gpu_used_gib(device)
+    t_wakes = [timed(w) for w in wakes]
+    back = gpu_used_gib(device)
+    return {
+        "sleep_s": t_sleep,
+        "wake_s": sum(t_wakes),
+        **{f"wake_{i}_s": t for i, t in enumerate(t_wakes)},
+        "released_gib": awake - asleep,
+        "retaken_gib": back - asleep,
+    }
+
+
+def measure(
+    name: str, sleep: Callable[[], Any], wakes: list[Callable[[], Any]], device: int, repeats: int
+) -> dict[str, Any]:
+    runs = [cycle(sleep, wakes, device) for _ in range(repeats)]
+    row: dict[str, Any] = {"engine": name, "cycles": repeats}
+    for key in runs[0]:
+        row[key] = statistics.median(r[key] for r in runs)
+    row["wake_s_max"] = max(r["wake_s"] for r in runs)
+    return row

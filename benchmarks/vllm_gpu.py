@@ -1,0 +1,176 @@
+"""GPU benchmarks of the vLLM backend against raw vLLM (Qwen2.5-1.5B shape, dummy bf16 weights,
+256 prompts x 128 tokens -> 256 tokens). Engines are shared between measurements to spend less
+device time on start-ups.
+
+    python -m benchmarks.vllm_gpu --part single    # one GPU: throughput eager and CUDA graphs,
+                                                    # own-work share, IPC refit, sleep/wake
+    python -m benchmarks.vllm_gpu --part scaling   # two GPUs: DP=2 and TP=2 against DP=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+import rollgen
+from benchmarks import refit, scaling, sleep_wake, throughput
+from benchmarks.common import QWEN25_1P5B, print_table, qwen25_1p5b_dir, random_prompts, write_results
+from rollgen.refit import device_uuid
+
+BATCH, PROMPT, GEN = 256, 128, 256
+
+
+def rollgen_config(model: str, eager: bool, util: float, **vllm_cfg: Any) -> dict[str, Any]:
+    return {
+        "backend": "vllm",
+        "model_name": model,
+        "max_new_tokens": GEN,
+        "pad_token_id": 0,
+        "dtype": "bfloat16",
+        "vllm_cfg": {
+            "gpu_memory_utilization": util,
+            "load_format": "dummy",
+            "enforce_eager": eager,
+            **vllm_cfg,
+        },
+        "vllm_kwargs": {"skip_tokenizer_init": True},
+    }
+
+
+def raw_llm(model: str, eager: bool, util: float) -> Any:
+    """``vllm.LLM`` with the settings rollgen's engine gets (sleep mode on, as rollgen's default)."""
+    import vllm
+
+    return vllm.LLM(
+        model=model,
+        dtype="bfloat16",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=eager,
+        gpu_memory_utilization=util,
+        enable_sleep_mode=True,
+        max_model_len=QWEN25_1P5B["max_position_embeddings"],
+        disable_log_stats=True,
+    )
+
+
+def raw_generate(llm: Any, prompts: list[dict[str, list[int]]]) -> Callable[[], int]:
+    import vllm
+
+    params = vllm.SamplingParams(temperature=1.0, max_tokens=GEN, logprobs=0)
+
+    def run() -> int:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    return run
+
+
+def rollgen_generate(gen: Any, batch: dict[str, torch.Tensor]) -> Callable[[], int]:
+    def run() -> int:
+        out = gen.generate(batch)
+        return int((out["unpadded_sequence_lengths"] - batch["input_lengths"]).sum())
+
+    return run
+
+
+def close_raw(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def engine_device(gen: Any) -> torch.device:
+    """The local CUDA device the (TP=1) engine runs on, found by its GPU's UUID."""
+    uuid = gen.group.call_all("device_uuids")[0][0]
+    for i in range(torch.cuda.device_count()):
+        if device_uuid(i) == uuid:
+            return torch.device("cuda", i)
+    raise RuntimeError(f"engine GPU {uuid} is not visible here; run with both on one GPU")
+
+
+def single(args: argparse.Namespace, model: str, batch: dict[str, torch.Tensor]) -> dict[str, list]:
+    results: dict[str, list] = {"throughput": [], "own_work": [], "refit": [], "sleep_wake": []}
+    prompts = [{"prompt_token_ids": row.tolist()} for row in batch["input_ids"]]
+    for mode in args.modes:
+        eager = mode == "eager"
+        gen = rollgen.create_generation(rollgen_config(model, eager, args.util))
+        llm = raw_llm(model, eager, args.util)
+        row = throughput.measure(mode, raw_generate(llm, prompts), rollgen_generate(gen, batch), args.repeats)
+        results["throughput"].append(row)
+        print_table([row], ["mode", "raw_tok_s", "rollgen_tok_s", "ratio", "tokens_raw", "tokens_rollgen"])
+        share = throughput.own_work_share(BATCH, PROMPT, GEN, row["rollgen_s"])
+        results["own_work"].append({"mode": mode, **share})
+        if eager:
+            results.update(refit_and_sleep(args, gen, llm))
+        gen.shutdown()
+        close_raw(llm)
+    return results
+
+
+def refit_and_sleep(args: argparse.Namespace, gen: Any, llm: Any) -> dict[str, list]:
+    device = engine_device(gen)
+    state = refit.random_state(gen.weight_spec, device)
+    refits = refit.measure(gen, state, args.bucket_mib, args.repeats)
+    del state
+    torch.cuda.empty_cache()
+    print_table(refits, ["bucket_mib", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"])
+    wakes = [
+        partial(gen.prepare_for_generation, ["weights"]),
+        partial(gen.prepare_for_generation, ["kv_cache"]),
+    ]
+    sleeps = [
+        sleep_wake.measure("rollgen", gen.finish_generation, wakes, device.index, args.repeats),
+        sleep_wake.measure("raw", partial(llm.sleep, level=1), [llm.wake_up], device.index, args.repeats),
+    ]
+    print_table(sleeps, ["engine", "sleep_s", "wake_s", "released_gib", "retaken_gib"])
+    return {"refit": refits, "sleep_wake": sleeps}
+
+
+def scaling_part(args: argparse.Namespace, model: str, batch: dict[str, torch.Tensor]) -> dict[str, list]:
+    """Engines of each layout one after the other (two layouts cannot hold the GPUs at once)."""
+    layouts = {"dp1": {}, "dp2": {"data_parallel_size": 2}, "tp2": {"tensor_parallel_size": 2}}
+    rows = []
+    base = None
+    for name, extra in layouts.items():
+        with rollgen.create_generation(rollgen_config(model, True, args.util, **extra)) as gen:
+            (row,) = scaling.measure({name: rollgen_generate(gen, batch)}, args.repeats)
+        base = base or row["tok_s"]
+        rows.append({**row, "vs_dp1": row["tok_s"] / base})
+        print_table([rows[-1]], ["layout", "tok_s", "tok_s_min", "tok_s_max", "vs_dp1"])
+    return {"scaling": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--part", choices=["single", "scaling"], required=True)
+    parser.add_argument("--modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--util", type=float, default=0.35)
+    parser.add_argument("--bucket-mib", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--out", default="out/benchmarks")
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the driver also runs Ray
+    logging.basicConfig(level=logging.INFO)
+    model = qwen25_1p5b_dir()
+    batch = {
+        "input_ids": random_prompts(BATCH, PROMPT, QWEN25_1P5B["vocab_size"]),
+        "input_lengths": torch.full((BATCH,), PROMPT),
+    }
+    results = single(args, model, batch) if args.part == "single" else scaling_part(args, model, batch)
+    for name, rows in results.items():
+        print(f"results: {write_results(f'vllm_gpu_{args.part}_{name}', rows, args.out)}")
+
+
+if __name__ == "__main__":
+    main()
