@@ -91,3 +91,39 @@ def test_raising_and_dying_workers_surface_as_worker_error(probes) -> None:
         probes.get([ref], names=["rollgen-dp1"], timeout_s=60)
     with pytest.raises(WorkerError, match="died"):
         probes.call_all("where")
+
+
+@pytest.fixture
+def one_gpu_node():
+    """A simulated node with one (logical) GPU."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1})
+    ray.init(address=cluster.address, include_dashboard=False)
+    yield
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_fractional_gpu_bundles_share_one_gpu(one_gpu_node) -> None:
+    shared = [
+        RayVirtualCluster([1], use_gpus=True, cpus_per_bundle=0.25, gpus_per_bundle=0.25) for _ in range(3)
+    ]
+    try:
+        group = RayWorkerGroup(
+            shared[0],
+            RayWorkerBuilder(PROBE, "t"),
+            tp_size=1,
+            leader_resources={"num_cpus": 0.1, "num_gpus": 0.125},
+        )
+        assert group.dp_size == 1
+        group.shutdown()
+        with pytest.raises(ConfigError, match="could not reserve"):
+            RayVirtualCluster([1], use_gpus=True, cpus_per_bundle=0.25, ready_timeout_s=3)
+    finally:
+        for vc in shared:
+            vc.shutdown()
+    with pytest.raises(ConfigError, match="gpus_per_bundle"):
+        RayVirtualCluster([1], use_gpus=True, gpus_per_bundle=1.5)

@@ -8,7 +8,7 @@ import ray
 import torch
 
 import rollgen
-from rollgen import WorkerError
+from rollgen import ConfigError, WorkerError
 from rollgen.conformance.base import PROMPTS, encode
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
 from rollgen.testing.reference import agreement, generated_mask
@@ -96,3 +96,12 @@ def test_worker_killed_mid_call_is_a_worker_error(vllm_config: dict, batch: dict
             gen.generate(batch, greedy=True)
     finally:
         gen.shutdown()
+
+
+def test_fractional_gpu_bundles_refused_for_tensor_parallel(vllm_config: dict) -> None:
+    cfg = {
+        **vllm_config,
+        "vllm_cfg": {**vllm_config["vllm_cfg"], "tensor_parallel_size": 2, "gpus_per_bundle": 0.5},
+    }
+    with pytest.raises(ConfigError, match="whole GPU per rank"):
+        rollgen.create_generation(cfg)

@@ -73,6 +73,9 @@ class RayEngineCfg(TypedDict):
     enable_sleep_mode: NotRequired[bool | Literal["auto"]]
     #: CPU bundles reserve this many Ray CPUs each (fractions leave room on small machines).
     cpus_per_bundle: NotRequired[Annotated[float, Field(gt=0)]]
+    #: GPU share each bundle reserves: 1 (a whole GPU) or, for TP=1 only, a fraction so that several
+    #: small engines (each with its own memory limit) share a GPU.
+    gpus_per_bundle: NotRequired[Annotated[float, Field(gt=0, le=1)]]
 
 
 #: Values used for the optional shared keys a config leaves out.

@@ -1,5 +1,6 @@
 """``BackendConformance``: the whole contract as pytest tests. Subclass it to give a backend
-custom fixtures (override ``backend_name``, ``base_config`` or ``make_engine``)."""
+custom fixtures (override ``backend_name``, ``base_config``, ``engine`` (the engine most tests
+share) or ``make_engine`` (engines one test makes, shut down when it ends))."""
 
 from __future__ import annotations
 
@@ -111,23 +112,17 @@ class BackendConformance:
         cli = request.config.getoption("--rollgen-config", default=None)
         return deep_merge(cfg, json.loads(cli)) if cli else cfg
 
-    @pytest.fixture(scope="class")
+    @pytest.fixture
     def make_engine(self, base_config: dict[str, Any]) -> Iterator[Callable[..., Any]]:
-        made: list[Any] = []
-
-        def make(**overrides: Any) -> Any:
-            engine = rollgen.create_generation(deep_merge(base_config, overrides))
-            made.append(engine)
-            return engine
-
-        yield make
-        for engine in made:
-            engine.shutdown()
-        gc.collect()
+        """Engines a test makes (config overrides as keywords), shut down when the test ends, so
+        that only a few hold devices at once."""
+        yield from _engine_factory(base_config)
 
     @pytest.fixture(scope="class")
-    def engine(self, make_engine: Callable[..., Any]) -> Any:
-        return make_engine()
+    def engine(self, base_config: dict[str, Any]) -> Iterator[Any]:
+        """The engine most tests share."""
+        for make in _engine_factory(base_config):
+            yield make()
 
     @pytest.fixture(scope="class")
     def references(self) -> Callable[[str, str], Any]:
@@ -602,3 +597,17 @@ def device_memory_used() -> int:
         return 0
     free, total = torch.cuda.mem_get_info()
     return total - free
+
+
+def _engine_factory(base_config: dict[str, Any]) -> Iterator[Callable[..., Any]]:
+    made: list[Any] = []
+
+    def make(**overrides: Any) -> Any:
+        engine = rollgen.create_generation(deep_merge(base_config, overrides))
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.shutdown()
+    gc.collect()

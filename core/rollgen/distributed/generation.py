@@ -26,6 +26,7 @@ RAY_ENGINE_DEFAULTS: dict[str, Any] = {
     "data_parallel_size": 1,
     "enable_sleep_mode": "auto",
     "cpus_per_bundle": 0.5,
+    "gpus_per_bundle": 1.0,
 }
 
 
@@ -54,6 +55,12 @@ class RayGeneration(BaseGeneration):
         elif ecfg["enable_sleep_mode"] and not self.use_gpus:
             raise ConfigError(f"{self.engine_key}.enable_sleep_mode needs CUDA; leave it 'auto' on CPU")
         tp = ecfg["tensor_parallel_size"]
+        if tp > 1 and ecfg["gpus_per_bundle"] < 1:
+            raise ConfigError(
+                f"{self.engine_key}.gpus_per_bundle={ecfg['gpus_per_bundle']} with "
+                f"tensor_parallel_size={tp}: a tensor-parallel group needs a whole GPU per rank; "
+                "leave gpus_per_bundle at 1"
+            )
         self.cfg.update(
             {self.engine_key: ecfg},
             _engine_dtype=dtype_name(self.engine_dtype),
@@ -63,11 +70,18 @@ class RayGeneration(BaseGeneration):
         if cluster is None:
             cpus = 1.0 if self.use_gpus else ecfg["cpus_per_bundle"]
             cluster = RayVirtualCluster(
-                [tp * ecfg["data_parallel_size"]], self.use_gpus, cpus, name=f"rollgen-{self.name}"
+                [tp * ecfg["data_parallel_size"]],
+                self.use_gpus,
+                cpus,
+                name=f"rollgen-{self.name}",
+                gpus_per_bundle=ecfg["gpus_per_bundle"],
             )
         self.cluster = cluster
         if self.use_gpus:  # TP > 1: the engine's own workers take the group's GPUs
-            leader = {"num_gpus": 0.5 if tp == 1 else 0, "num_cpus": cluster.cpus_per_bundle / 2}
+            leader = {
+                "num_gpus": cluster.gpus_per_bundle / 2 if tp == 1 else 0,
+                "num_cpus": cluster.cpus_per_bundle / 2,
+            }
         else:
             leader = {"num_cpus": cluster.cpus_per_bundle}
         self.local_transport = "cuda_ipc" if self.use_gpus else "shared_memory"

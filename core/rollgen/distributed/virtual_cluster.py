@@ -29,8 +29,9 @@ def init_ray(num_cpus: int | None = None, object_store_bytes: int = 512 << 20) -
 class RayVirtualCluster:
     """Reserves ``bundles_per_node[i]`` bundles on node i, as one placement group per node.
 
-    GPU bundles hold one GPU each; CPU bundles hold ``cpus_per_bundle`` CPUs (fractions leave
-    room for helper actors on small machines).
+    GPU bundles hold ``gpus_per_bundle`` GPUs (1: a whole GPU; a fraction lets several small
+    engines share one GPU) and ``cpus_per_bundle`` CPUs; CPU bundles hold ``cpus_per_bundle`` CPUs
+    (fractions leave room for helper actors on small machines).
     """
 
     def __init__(
@@ -39,15 +40,19 @@ class RayVirtualCluster:
         use_gpus: bool,
         cpus_per_bundle: float = 1.0,
         name: str = "rollgen",
+        gpus_per_bundle: float = 1.0,
         ready_timeout_s: float = 120.0,
     ) -> None:
         if not bundles_per_node or any(n < 1 for n in bundles_per_node):
             raise ConfigError(f"bundles_per_node must be positive counts, got {bundles_per_node}")
+        if not 0 < gpus_per_bundle <= 1:
+            raise ConfigError(f"gpus_per_bundle must be in (0, 1], got {gpus_per_bundle}")
         init_ray()
         self.bundles_per_node = list(bundles_per_node)
         self.use_gpus = use_gpus
         self.cpus_per_bundle = cpus_per_bundle
-        bundle = {"GPU": 1, "CPU": cpus_per_bundle} if use_gpus else {"CPU": cpus_per_bundle}
+        self.gpus_per_bundle = gpus_per_bundle if use_gpus else 0.0
+        bundle = {"GPU": gpus_per_bundle, "CPU": cpus_per_bundle} if use_gpus else {"CPU": cpus_per_bundle}
         self._pgs: list[PlacementGroup] = []
         self.name = f"{name}-{uuid.uuid4().hex[:8]}"
         for i, count in enumerate(bundles_per_node):
