@@ -1,5 +1,6 @@
-"""Data- and tensor-parallel scaling: rollgen engines of several layouts on the same batch,
-alternating; throughput relative to the first layout."""
+"""Data- and tensor-parallel scaling: the throughput of one rollgen layout on the batch, and
+each layout's throughput relative to the first. Layouts run one after another: two cannot hold
+the same GPUs at once."""
 
 from __future__ import annotations
 
@@ -9,20 +10,21 @@ from typing import Any
 from benchmarks.common import alternate
 
 
-def measure(layouts: dict[str, Callable[[], int]], repeats: int) -> list[dict[str, Any]]:
-    """``layouts``: name -> a generate call returning its output tokens; the first is the base."""
-    tokens = {k: fn() for k, fn in layouts.items()}
-    t = alternate(layouts, repeats=repeats, warmup=0)  # the counting call warmed up
-    base = next(iter(layouts))
-    base_tps = tokens[base] / t[base]["median_s"]
-    return [
-        {
-            "layout": k,
-            "tokens": tokens[k],
-            "tok_s": tokens[k] / t[k]["median_s"],
-            "tok_s_min": tokens[k] / t[k]["max_s"],
-            "tok_s_max": tokens[k] / t[k]["min_s"],
-            "vs_" + base: tokens[k] / t[k]["median_s"] / base_tps,
-        }
-        for k in layouts
-    ]
+def measure(layout: str, generate: Callable[[], int], repeats: int) -> dict[str, Any]:
+    """``generate`` runs the batch and returns its output tokens (its first, counting call is
+    the warm-up)."""
+    tokens = generate()
+    t = alternate({layout: generate}, repeats=repeats, warmup=0)[layout]
+    return {
+        "layout": layout,
+        "tokens": tokens,
+        "tok_s": tokens / t["median_s"],
+        "tok_s_min": tokens / t["max_s"],
+        "tok_s_max": tokens / t["min_s"],
+    }
+
+
+def relative_to_first(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Adds ``vs_<first layout>``: each row's throughput over the first row's."""
+    base = rows[0]
+    return [{**r, f"vs_{base['layout']}": r["tok_s"] / base["tok_s"]} for r in rows]

@@ -83,7 +83,6 @@ def rollgen_generate(gen: Any, batch: dict[str, torch.Tensor]) -> Callable[[], i
 
 def close_raw(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
-    del llm
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -136,17 +135,13 @@ def refit_and_sleep(args: argparse.Namespace, gen: Any, llm: Any) -> dict[str, l
 
 
 def scaling_part(args: argparse.Namespace, model: str, batch: dict[str, torch.Tensor]) -> dict[str, list]:
-    """Engines of each layout one after the other (two layouts cannot hold the GPUs at once)."""
     layouts = {"dp1": {}, "dp2": {"data_parallel_size": 2}, "tp2": {"tensor_parallel_size": 2}}
     rows = []
-    base = None
     for name, extra in layouts.items():
         with rollgen.create_generation(rollgen_config(model, True, args.util, **extra)) as gen:
-            (row,) = scaling.measure({name: rollgen_generate(gen, batch)}, args.repeats)
-        base = base or row["tok_s"]
-        rows.append({**row, "vs_dp1": row["tok_s"] / base})
-        print_table([rows[-1]], ["layout", "tok_s", "tok_s_min", "tok_s_max", "vs_dp1"])
-    return {"scaling": rows}
+            rows.append(scaling.measure(name, rollgen_generate(gen, batch), args.repeats))
+        print_table(rows[-1:], ["layout", "tok_s", "tok_s_min", "tok_s_max"])
+    return {"scaling": scaling.relative_to_first(rows)}
 
 
 def main() -> None:

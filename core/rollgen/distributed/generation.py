@@ -42,6 +42,9 @@ class RayGeneration(BaseGeneration):
     worker_cls: ClassVar[str]
     engine_key: ClassVar[str]
     engine_defaults: ClassVar[dict[str, Any]] = {}
+    #: Tokens of the engine's context it will not take as prompt: rollgen's ``max_model_len``
+    #: (validation, clamping) is that much shorter than the context length the engine gets.
+    reserved_context: ClassVar[int] = 0
 
     def __init__(
         self, config: Mapping[str, Any], cluster: RayVirtualCluster | None = None, backend: Any = None
@@ -66,6 +69,7 @@ class RayGeneration(BaseGeneration):
             _engine_dtype=dtype_name(self.engine_dtype),
             _max_model_len=self.max_model_len,
         )
+        self.max_model_len -= self.reserved_context
         self._own_cluster = cluster is None
         if cluster is None:
             cpus = 1.0 if self.use_gpus else ecfg["cpus_per_bundle"]

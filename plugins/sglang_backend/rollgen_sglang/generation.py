@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from rollgen.distributed import RayGeneration
@@ -15,11 +14,6 @@ class SglangGeneration(RayGeneration):
     worker_cls = "rollgen_sglang.worker:SglangWorker"
     engine_key = "sglang_cfg"
     engine_defaults: ClassVar[dict[str, Any]] = SGLANG_CFG_DEFAULTS
-
     #: SGLang 0.5.16 takes prompts of at most its context length minus 6 tokens (its
     #: ``max_req_input_len`` is ``context_len - 1 - 5``), and rejects longer ones.
-    RESERVED_CONTEXT = 6
-
-    def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
-        super().__init__(config, cluster=cluster, backend=backend)
-        self.max_model_len -= self.RESERVED_CONTEXT  # the engine keeps the full context length
+    reserved_context: ClassVar[int] = 6
