@@ -29,7 +29,7 @@ def alternate(
     fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
 ) -> dict[str, dict[str, float]]:
     """Time each function ``repeats`` times, interleaved (A B A B ...), after ``warmup`` rounds;
-    median, min and max seconds per function."""
+    median, min and max seconds per function, and every run's seconds in order (``times``)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -40,7 +40,7 @@ def alternate(
             fn()
             times[name].append(time.perf_counter() - t)
     return {
-        k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": len(v)}
+        k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": len(v), "times": v}
         for k, v in times.items()
     }
 

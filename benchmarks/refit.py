@@ -11,15 +11,24 @@ import torch
 
 from benchmarks.common import timed
 
+#: Names a model with ``tie_word_embeddings`` holds as one tensor (its state dict lists both).
+TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+
 
 def random_state(
-    spec: dict[str, tuple[tuple[int, ...], str]], device: torch.device
+    spec: dict[str, tuple[tuple[int, ...], str]], device: torch.device, tied: bool
 ) -> dict[str, torch.Tensor]:
-    """A state dict with the served model's names, shapes and dtypes, random values on ``device``."""
-    return {
+    """A state dict with the served model's names, shapes and dtypes, random values on
+    ``device``; with ``tied``, ``lm_head.weight`` is the embedding tensor, as in a trainer's
+    tied model (rollgen sends it once)."""
+    state = {
         name: torch.empty(shape, dtype=getattr(torch, dtype), device=device).normal_(0, 0.02)
         for name, (shape, dtype) in spec.items()
+        if not (tied and name in TIED)
     }
+    if tied:
+        state.update({name: state[source] for name, source in TIED.items() if name in spec})
+    return state
 
 
 def copy_floor(nbytes: int, device: torch.device, repeats: int) -> float:
@@ -34,7 +43,8 @@ def copy_floor(nbytes: int, device: torch.device, repeats: int) -> float:
 def measure(
     gen: Any, state: dict[str, torch.Tensor], bucket_mib: list[int], repeats: int
 ) -> list[dict[str, Any]]:
-    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    unique = {t.data_ptr(): t for t in state.values()}.values()
+    nbytes = sum(t.numel() * t.element_size() for t in unique)
     floor = copy_floor(nbytes, next(iter(state.values())).device, repeats=5)
     torch.cuda.empty_cache()
     rows = []
@@ -46,7 +56,7 @@ def measure(
         rows.append(
             {
                 "bucket_mib": mib,
-                "tensors": len(state),
+                "tensors": len(unique),
                 "gb": nbytes / 1e9,
                 "refit_ms": med * 1e3,
                 "refit_ms_min": min(times) * 1e3,

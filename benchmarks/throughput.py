@@ -3,6 +3,7 @@ alternating, plus rollgen's own per-call work as a share of its generate time.""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -12,23 +13,24 @@ from benchmarks.common import alternate
 from benchmarks.overhead import make_call, rollgen_call
 
 
-def measure(
-    name: str,
-    raw_generate: Callable[[], int],
-    rollgen_generate: Callable[[], int],
-    repeats: int,
-) -> dict[str, Any]:
-    """Both callables run the same batch and return the output tokens they produced (the first
-    call of each, which counts them, is the warm-up)."""
-    tokens = {"raw": raw_generate(), "rollgen": rollgen_generate()}
-    t = alternate({"raw": raw_generate, "rollgen": rollgen_generate}, repeats=repeats, warmup=0)
-    row: dict[str, Any] = {"mode": name, "tokens_raw": tokens["raw"], "tokens_rollgen": tokens["rollgen"]}
-    for k in ("raw", "rollgen"):
+def measure(name: str, contestants: dict[str, Callable[[], int]], repeats: int) -> dict[str, Any]:
+    """Each contestant runs the same batch and returns the output tokens it produced (its first
+    call, which counts them, is the warm-up); then they alternate. The first contestant is the
+    baseline: each other's ``<name>_ratio`` is the median over rounds of its throughput over the
+    baseline's in the same round (paired, so the GPU's drifts between rounds cancel)."""
+    tokens = {k: fn() for k, fn in contestants.items()}
+    t = alternate(contestants, repeats=repeats, warmup=0)
+    base = next(iter(contestants))
+    row: dict[str, Any] = {"mode": name, "repeats": repeats}
+    for k in contestants:
+        row[f"tokens_{k}"] = tokens[k]
         row[f"{k}_tok_s"] = tokens[k] / t[k]["median_s"]
         row[f"{k}_tok_s_min"] = tokens[k] / t[k]["max_s"]
         row[f"{k}_tok_s_max"] = tokens[k] / t[k]["min_s"]
         row[f"{k}_s"] = t[k]["median_s"]
-    row["ratio"] = row["rollgen_tok_s"] / row["raw_tok_s"]
+        if k != base:
+            pairs = zip(t[base]["times"], t[k]["times"], strict=True)
+            row[f"{k}_ratio"] = statistics.median(tokens[k] * b / (tokens[base] * c) for b, c in pairs)
     return row
 
 

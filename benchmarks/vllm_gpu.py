@@ -1,8 +1,9 @@
 """GPU benchmarks of the vLLM backend against raw vLLM (Qwen2.5-1.5B shape, dummy bf16 weights,
-256 prompts x 128 tokens -> 256 tokens). Engines are shared between measurements to spend less
-device time on start-ups.
+``--batch`` prompts (256) x 128 tokens -> 256 tokens). Engines are shared between measurements
+to spend less device time on start-ups.
 
-    python -m benchmarks.vllm_gpu --part single    # one GPU: throughput eager and CUDA graphs,
+    python -m benchmarks.vllm_gpu --part single    # one GPU: throughput eager and CUDA graphs
+                                                    # (raw vLLM, raw vLLM in a Ray actor, rollgen),
                                                     # own-work share, IPC refit, sleep/wake
     python -m benchmarks.vllm_gpu --part scaling   # two GPUs: DP=2 and TP=2 against DP=1
 """
@@ -24,7 +25,9 @@ from benchmarks import refit, scaling, sleep_wake, throughput
 from benchmarks.common import QWEN25_1P5B, print_table, qwen25_1p5b_dir, random_prompts, write_results
 from rollgen.refit import device_uuid
 
-BATCH, PROMPT, GEN = 256, 128, 256
+PROMPT, GEN = 128, 256
+#: Ray GPU share of one engine in the single-GPU part (rollgen's and the raw actor fit on one GPU).
+GPU_SHARE = 0.5
 
 
 def rollgen_config(model: str, eager: bool, util: float, **vllm_cfg: Any) -> dict[str, Any]:
@@ -59,6 +62,36 @@ def raw_llm(model: str, eager: bool, util: float) -> Any:
         max_model_len=QWEN25_1P5B["max_position_embeddings"],
         disable_log_stats=True,
     )
+
+
+class RawInActor:
+    """Raw ``vllm.LLM`` inside a plain Ray actor placed as rollgen's worker is (same CPU and GPU
+    share): tells what running in a Ray worker process costs apart from rollgen's own code."""
+
+    def __init__(self, model: str, eager: bool, util: float, prompts: list[dict[str, list[int]]]) -> None:
+        self.llm = raw_llm(model, eager, util)
+        self.run = raw_generate(self.llm, prompts)
+
+    def generate(self) -> int:
+        return self.run()
+
+    def shutdown(self) -> None:
+        close_raw(self.llm)
+
+
+def raw_in_actor(model: str, eager: bool, util: float, prompts: list[dict[str, list[int]]]) -> Any:
+    import ray
+
+    cls = ray.remote(num_cpus=1, num_gpus=GPU_SHARE)(RawInActor)
+    actor = cls.remote(model, eager, util, prompts)
+    ray.get(actor.generate.remote())  # started (and warmed up once)
+    return actor
+
+
+def actor_generate(actor: Any) -> int:
+    import ray
+
+    return ray.get(actor.generate.remote())
 
 
 def raw_generate(llm: Any, prompts: list[dict[str, list[int]]]) -> Callable[[], int]:
@@ -97,31 +130,42 @@ def engine_device(gen: Any) -> torch.device:
 
 
 def single(args: argparse.Namespace, model: str, batch: dict[str, torch.Tensor]) -> dict[str, list]:
+    import ray
+
     results: dict[str, list] = {"throughput": [], "own_work": [], "refit": [], "sleep_wake": []}
     prompts = [{"prompt_token_ids": row.tolist()} for row in batch["input_ids"]]
-    for mode in args.modes:
+    for i, mode in enumerate(args.modes):
         eager = mode == "eager"
-        gen = rollgen.create_generation(rollgen_config(model, eager, args.util))
+        gen = rollgen.create_generation(rollgen_config(model, eager, args.util, gpus_per_bundle=GPU_SHARE))
         llm = raw_llm(model, eager, args.util)
-        row = throughput.measure(mode, raw_generate(llm, prompts), rollgen_generate(gen, batch), args.repeats)
+        actor = raw_in_actor(model, eager, args.util, prompts)
+        contestants = {
+            "raw": raw_generate(llm, prompts),
+            "raw_in_actor": partial(actor_generate, actor),
+            "rollgen": rollgen_generate(gen, batch),
+        }
+        row = throughput.measure(mode, contestants, args.repeats)
         results["throughput"].append(row)
-        print_table([row], ["mode", "raw_tok_s", "rollgen_tok_s", "ratio", "tokens_raw", "tokens_rollgen"])
-        share = throughput.own_work_share(BATCH, PROMPT, GEN, row["rollgen_s"])
+        print_table([row], ["mode", "raw_tok_s", "raw_in_actor_ratio", "rollgen_tok_s", "rollgen_ratio"])
+        share = throughput.own_work_share(args.batch, PROMPT, GEN, row["rollgen_s"])
         results["own_work"].append({"mode": mode, **share})
-        if eager:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+        if i == 0:
             results.update(refit_and_sleep(args, gen, llm))
         gen.shutdown()
         close_raw(llm)
+        save(args, results)  # after each mode: a run cut off by a time limit keeps what it measured
     return results
 
 
 def refit_and_sleep(args: argparse.Namespace, gen: Any, llm: Any) -> dict[str, list]:
     device = engine_device(gen)
-    state = refit.random_state(gen.weight_spec, device)
+    state = refit.random_state(gen.weight_spec, device, tied=QWEN25_1P5B["tie_word_embeddings"])
     refits = refit.measure(gen, state, args.bucket_mib, args.repeats)
     del state
     torch.cuda.empty_cache()
-    print_table(refits, ["bucket_mib", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"])
+    print_table(refits, ["bucket_mib", "gb", "refit_ms", "pack_ms", "gb_s", "d2d_copy_ms", "vs_floor"])
     wakes = [
         partial(gen.prepare_for_generation, ["weights"]),
         partial(gen.prepare_for_generation, ["kv_cache"]),
@@ -150,8 +194,9 @@ def main() -> None:
     )
     parser.add_argument("--part", choices=["single", "scaling"], required=True)
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--util", type=float, default=0.35)
+    parser.add_argument("--batch", type=int, default=256, help="prompts per generate call")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--util", type=float, default=0.25)
     parser.add_argument("--bucket-mib", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args()
@@ -159,12 +204,16 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     model = qwen25_1p5b_dir()
     batch = {
-        "input_ids": random_prompts(BATCH, PROMPT, QWEN25_1P5B["vocab_size"]),
-        "input_lengths": torch.full((BATCH,), PROMPT),
+        "input_ids": random_prompts(args.batch, PROMPT, QWEN25_1P5B["vocab_size"]),
+        "input_lengths": torch.full((args.batch,), PROMPT),
     }
-    results = single(args, model, batch) if args.part == "single" else scaling_part(args, model, batch)
+    save(args, single(args, model, batch) if args.part == "single" else scaling_part(args, model, batch))
+
+
+def save(args: argparse.Namespace, results: dict[str, list]) -> None:
     for name, rows in results.items():
-        print(f"results: {write_results(f'vllm_gpu_{args.part}_{name}', rows, args.out)}")
+        if rows:
+            print(f"results: {write_results(f'vllm_gpu_{args.part}_{name}', rows, args.out)}")
 
 
 if __name__ == "__main__":

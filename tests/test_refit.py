@@ -4,22 +4,32 @@ import multiprocessing as mp
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import rollgen
 from rollgen import RefitError
-from rollgen.refit import TensorMeta, check_against_spec, iter_buckets
+from rollgen.refit import (
+    FLAT_ALIGN,
+    TensorMeta,
+    check_against_spec,
+    flat_offsets,
+    flatten,
+    iter_buckets,
+    unflatten,
+)
 
 
 def _receiver(conn) -> None:
     bucket = conn.recv()
     named = bucket.unpack()
     for _, t in named:
-        t.add_(1)  # writes land in the sender's memory: zero-copy
-    conn.send([n for n, _ in named])
+        t.add_(1)  # writes land in the sender's bucket buffer: zero-copy across processes
+    conn.send([(n, t.clone()) for n, t in named])
 
 
 def test_shared_memory_bucket_is_zero_copy_across_processes() -> None:
-    sd = {"a": torch.zeros(4), "b": torch.ones(2, 3)}
+    sd = {"a": torch.zeros(4), "b": torch.arange(6, dtype=torch.bfloat16).view(2, 3)}
     bucket = next(iter_buckets(sd, "shared_memory"))
     assert len(__import__("pickle").dumps(bucket)) < 4096
     ctx = mp.get_context("spawn")
@@ -27,9 +37,39 @@ def test_shared_memory_bucket_is_zero_copy_across_processes() -> None:
     proc = ctx.Process(target=_receiver, args=(child,))
     proc.start()
     parent.send(bucket)
-    assert parent.recv() == ["a", "b"]
+    received = dict(parent.recv())
     proc.join(30)
-    assert torch.equal(bucket._keepalive[0], torch.ones(4))
+    assert torch.equal(received["a"], torch.ones(4))
+    assert torch.equal(received["b"], sd["b"] + 1) and received["b"].dtype == torch.bfloat16
+    assert {n: t.tolist() for n, t in bucket.unpack()} == {n: t.tolist() for n, t in received.items()}
+
+
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 5), max_size=3), min_size=1, max_size=6),
+    dtypes=st.lists(
+        st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.uint8]),
+        min_size=6,
+        max_size=6,
+    ),
+)
+def test_flat_buffer_round_trips_any_dtypes_and_shapes(
+    shapes: list[list[int]], dtypes: list[torch.dtype]
+) -> None:
+    tensors = [torch.randn(s).to(d) for s, d in zip(shapes, dtypes)]
+    offsets = flat_offsets(tensors)
+    assert all(o % FLAT_ALIGN == 0 for o in offsets)
+    buf = flatten(tensors, offsets, torch.device("cpu"))
+    metas = tuple(TensorMeta.of(str(i), t) for i, t in enumerate(tensors))
+    back = unflatten(buf, metas, offsets)
+    assert all(b.dtype == t.dtype and torch.equal(b, t) for b, t in zip(back, tensors))
+
+
+def test_tied_weights_are_sent_once() -> None:
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(8, 4)
+    model.head = torch.nn.Linear(4, 8, bias=False)
+    model.head.weight = model.embed.weight
+    assert [m.name for b in iter_buckets(model, "tensors") for m in b.metas] == ["embed.weight"]
 
 
 def test_buckets_are_bounded_and_cast() -> None:

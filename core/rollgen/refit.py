@@ -12,6 +12,7 @@ Transports (``WeightBucket.transport``):
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ TRANSPORT_CAPABILITY: dict[str, Capability] = {
     "cuda_ipc": Capability.REFIT_IPC,
 }
 DEFAULT_BUCKET_BYTES = 1 << 30
+#: Offsets of tensors in a flat bucket buffer are multiples of this (any dtype can view them).
+FLAT_ALIGN = 256
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,8 @@ class WeightBucket:
     transport: Transport
     metas: tuple[TensorMeta, ...]
     payload: Any
+    #: Byte offset of each tensor in the flat buffer (``shared_memory`` and ``cuda_ipc``).
+    offsets: tuple[int, ...] = ()
     _keepalive: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -66,14 +71,14 @@ class WeightBucket:
             buf = io.BytesIO()
             ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(self._keepalive)
             payload = buf.getvalue()
-        return {"transport": self.transport, "metas": self.metas, "payload": payload}
+        return {"transport": self.transport, "metas": self.metas, "payload": payload, "offsets": self.offsets}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _keepalive=[])
 
     def resolve(self) -> WeightBucket:
-        """Map a received shared-memory bucket into this process (its handles open once), so it
-        can be unpacked here and re-sent onwards with fresh handles. Returns self."""
+        """Map a received shared-memory bucket into this process (its handle opens once), so it
+        can be unpacked here and re-sent onwards with a fresh handle. Returns self."""
         if self.transport == "shared_memory" and not self._keepalive:
             torch.multiprocessing.set_sharing_strategy("file_system")
             self._keepalive = pickle.loads(self.payload)
@@ -85,18 +90,25 @@ class WeightBucket:
         if self.transport == "tensors":
             tensors = list(self.payload)
         elif self.transport == "shared_memory":
-            tensors = self.resolve()._keepalive
+            tensors = unflatten(self.resolve()._keepalive[0], self.metas, self.offsets)
         elif self.transport == "cuda_ipc":
-            tensors = _rebuild_ipc(self.payload, device)
+            tensors = unflatten(_rebuild_ipc(self.payload, device), self.metas, self.offsets)
         else:
             raise RefitError(f"unknown refit transport {self.transport!r}")
         return [(m.name, t) for m, t in zip(self.metas, tensors, strict=True)]
 
 
 def named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a module's state dict or of a mapping."""
+    """(name, tensor) pairs of a module's state dict or of a mapping. A tensor that is another
+    one under a second name (tied weights, e.g. ``lm_head.weight`` of a model that ties it to the
+    embeddings) is given once: the engine's model ties them the same way."""
     items = source.state_dict().items() if isinstance(source, torch.nn.Module) else source.items()
+    seen: set[tuple[Any, ...]] = set()
     for name, tensor in items:
+        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
         yield name, tensor.detach()
 
 
@@ -157,16 +169,46 @@ def pack_bucket(
     metas = tuple(TensorMeta.of(n, t) for n, t in zip(names, tensors))
     if transport == "tensors":
         return WeightBucket(transport, metas, tensors)
+    offsets = flat_offsets(tensors)
     if transport == "shared_memory":
         torch.multiprocessing.set_sharing_strategy("file_system")
-        shared = [t if t.device.type == "cpu" else t.cpu() for t in tensors]
-        for t in shared:
-            t.share_memory_()
-        return WeightBucket(transport, metas, None, _keepalive=shared)
+        buf = flatten(tensors, offsets, torch.device("cpu")).share_memory_()
+        return WeightBucket(transport, metas, None, offsets, _keepalive=[buf])
     if transport == "cuda_ipc":
-        payload, keep = _ipc_handles(tensors)
-        return WeightBucket(transport, metas, payload, _keepalive=keep)
+        payload, keep = _ipc_handles(tensors, offsets)
+        return WeightBucket(transport, metas, payload, offsets, _keepalive=keep)
     raise RefitError(f"unknown refit transport {transport!r}; use tensors, shared_memory or cuda_ipc")
+
+
+def flat_offsets(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """Byte offsets of ``tensors`` laid end to end, each aligned to FLAT_ALIGN; the last entry is
+    the buffer's size."""
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end += -(-t.numel() * t.element_size() // FLAT_ALIGN) * FLAT_ALIGN
+    return (*offsets, end)
+
+
+def flatten(tensors: list[torch.Tensor], offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """One uint8 buffer on ``device`` holding the bytes of ``tensors`` at ``offsets``."""
+    buf = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
+    for t, start in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        buf[start : start + n].copy_(t.reshape(-1).view(torch.uint8))
+    return buf
+
+
+def unflatten(
+    buf: torch.Tensor, metas: tuple[TensorMeta, ...], offsets: tuple[int, ...]
+) -> list[torch.Tensor]:
+    """Views of ``buf`` with the shapes and dtypes of ``metas`` (no copy)."""
+    out = []
+    for m, start in zip(metas, offsets):
+        dtype = getattr(torch, m.dtype)
+        n = math.prod(m.shape) * dtype.itemsize
+        out.append(buf[start : start + n].view(dtype).view(m.shape))
+    return out
 
 
 def device_uuid(device: torch.device | int | None = None) -> str:
@@ -176,9 +218,11 @@ def device_uuid(device: torch.device | int | None = None) -> str:
     )
 
 
-def _ipc_handles(tensors: list[torch.Tensor]) -> tuple[dict[str, list[Any]], list[torch.Tensor]]:
-    """Handles for every target GPU: the tensors' own GPU, or (for CPU tensors) one copy per
-    visible GPU, so each tensor-parallel rank finds its device's handles by UUID."""
+def _ipc_handles(
+    tensors: list[torch.Tensor], offsets: tuple[int, ...]
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """One flat buffer and its IPC handle for every target GPU: the tensors' own GPU, or (for CPU
+    tensors) every visible GPU, so each tensor-parallel rank finds its device's handle by UUID."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     if not tensors:
@@ -193,16 +237,16 @@ def _ipc_handles(tensors: list[torch.Tensor]) -> tuple[dict[str, list[Any]], lis
         targets = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     else:
         raise RefitError("cuda_ipc needs CUDA; use the shared_memory transport on CPU")
-    payload: dict[str, list[Any]] = {}
+    payload: dict[str, Any] = {}
     keep: list[torch.Tensor] = []
     for device in targets:
-        copies = [t.to(device) for t in tensors]
-        payload[device_uuid(device)] = [reduce_tensor(t) for t in copies]
-        keep.extend(copies)
+        buf = flatten(tensors, offsets, device)
+        payload[device_uuid(device)] = reduce_tensor(buf)
+        keep.append(buf)
     return payload, keep
 
 
-def _rebuild_ipc(payload: dict[str, list[Any]], device: torch.device | str | None) -> list[torch.Tensor]:
+def _rebuild_ipc(payload: dict[str, Any], device: torch.device | str | None) -> torch.Tensor:
     index = torch.device(device).index if device is not None else None
     index = torch.cuda.current_device() if index is None else index
     uuid = device_uuid(index)
@@ -211,12 +255,10 @@ def _rebuild_ipc(payload: dict[str, list[Any]], device: torch.device | str | Non
             f"no CUDA IPC handles for this engine's GPU {uuid}; the payload has {sorted(payload)}. "
             "cuda_ipc needs trainer and engine colocated on the same GPUs"
         )
-    tensors = []
-    for rebuild, args in payload[uuid]:
-        args = list(args)
-        args[6] = index  # the producer's device index → ours (same physical GPU)
-        tensors.append(rebuild(*args))
-    return tensors
+    rebuild, args = payload[uuid]
+    args = list(args)
+    args[6] = index  # the producer's device index → ours (same physical GPU)
+    return rebuild(*args)
 
 
 @torch.no_grad()

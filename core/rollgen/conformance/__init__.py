@@ -3,7 +3,8 @@
     pytest -p rollgen.conformance --pyargs rollgen.conformance.suite --rollgen-backend=NAME
 
 Options: ``--rollgen-backend`` (required), ``--rollgen-config`` (JSON merged into the suite's
-config, e.g. engine parallelism), ``--rollgen-report`` (write a JSON report). Backends add engine
+config, e.g. engine parallelism), ``--rollgen-report`` (write a JSON report),
+``--rollgen-one-engine`` (one engine alive at a time, for layouts that take every device). Backends add engine
 keys through the ``rollgen_conformance_config`` hook and list known failures (strict xfails)
 through ``rollgen_conformance_known_failures``.
 """
@@ -34,6 +35,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="JSON object merged (deeply) into the suite's engine config",
     )
     group.addoption("--rollgen-report", default=None, help="write a JSON report to this path")
+    group.addoption(
+        "--rollgen-one-engine",
+        action="store_true",
+        help="keep one engine alive at a time (a test's own engine replaces the shared one): for "
+        "layouts that take all the devices, such as TP=2 or DP=2 on two GPUs",
+    )
 
 
 def _backend_header(config: pytest.Config) -> dict[str, Any]:
@@ -44,6 +51,7 @@ def _backend_header(config: pytest.Config) -> dict[str, Any]:
         "backend": name,
         "python": platform.python_version(),
         "extra_config": json.loads(config.getoption("--rollgen-config") or "{}"),
+        "one_engine": bool(config.getoption("--rollgen-one-engine")),
     }
     if name and name in get_registry().backends:
         entry = get_registry().backends[name]

@@ -1,6 +1,7 @@
 """``BackendConformance``: the whole contract as pytest tests. Subclass it to give a backend
 custom fixtures (override ``backend_name``, ``base_config``, ``engine`` (the engine most tests
-share) or ``make_engine`` (engines one test makes, shut down when it ends))."""
+share) or ``make_engine`` (engines one test makes, shut down when it ends)). At most two engines
+are alive at once (the shared one and a test's own), or one with ``--rollgen-one-engine``."""
 
 from __future__ import annotations
 
@@ -112,17 +113,26 @@ class BackendConformance:
         cli = request.config.getoption("--rollgen-config", default=None)
         return deep_merge(cfg, json.loads(cli)) if cli else cfg
 
-    @pytest.fixture
-    def make_engine(self, base_config: dict[str, Any]) -> Iterator[Callable[..., Any]]:
-        """Engines a test makes (config overrides as keywords), shut down when the test ends, so
-        that only a few hold devices at once."""
-        yield from _engine_factory(base_config)
-
     @pytest.fixture(scope="class")
-    def engine(self, base_config: dict[str, Any]) -> Iterator[Any]:
-        """The engine most tests share."""
-        for make in _engine_factory(base_config):
-            yield make()
+    def engine_pool(
+        self, request: pytest.FixtureRequest, base_config: dict[str, Any]
+    ) -> Iterator[EnginePool]:
+        pool = EnginePool(
+            base_config, one_engine=bool(request.config.getoption("--rollgen-one-engine", False))
+        )
+        yield pool
+        pool.close()
+
+    @pytest.fixture
+    def make_engine(self, engine_pool: EnginePool) -> Iterator[Callable[..., Any]]:
+        """Engines a test makes (config overrides as keywords), shut down when the test ends."""
+        yield engine_pool.make
+        engine_pool.end_test()
+
+    @pytest.fixture
+    def engine(self, engine_pool: EnginePool) -> Any:
+        """The engine most tests share (made when first needed)."""
+        return engine_pool.shared()
 
     @pytest.fixture(scope="class")
     def references(self) -> Callable[[str, str], Any]:
@@ -139,9 +149,15 @@ class BackendConformance:
     def batch(self, tokenizer: Any) -> dict[str, torch.Tensor]:
         return encode(tokenizer, PROMPTS)
 
-    @pytest.fixture(scope="class")
-    def greedy_out(self, engine: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return engine.generate(batch, greedy=True)
+    @pytest.fixture
+    def greedy_out(
+        self, request: pytest.FixtureRequest, engine_pool: EnginePool, batch: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The shared engine's first greedy output, kept for the class (asking for the engine only
+        the first time, so a released shared engine is not remade just for this)."""
+        if engine_pool.greedy_out is None:
+            engine_pool.greedy_out = request.getfixturevalue("engine").generate(batch, greedy=True)
+        return engine_pool.greedy_out
 
     # ---- registration --------------------------------------------------------------------------
     def test_registration(self, backend: RegisteredBackend) -> None:
@@ -224,23 +240,6 @@ class BackendConformance:
         assert torch.equal(again["output_ids"], greedy_out["output_ids"])
         assert torch.allclose(again["logprobs"], greedy_out["logprobs"], atol=1e-5)
 
-    def test_seeded_reproducibility(
-        self, make_engine: Callable[..., Any], batch: dict[str, torch.Tensor]
-    ) -> None:
-        """Two fresh engines with the same seed give the same samples, call after call."""
-        a, b = make_engine(seed=7), make_engine(seed=7)
-        try:
-            first_a, first_b = a.generate(batch), b.generate(batch)
-            assert torch.equal(first_a["output_ids"], first_b["output_ids"])
-            second_a = a.generate(batch)
-            assert torch.equal(second_a["output_ids"], b.generate(batch)["output_ids"])
-            assert not torch.equal(first_a["output_ids"], second_a["output_ids"]), (
-                "successive calls should draw new samples"
-            )
-        finally:
-            a.shutdown()
-            b.shutdown()
-
     # ---- per-sample settings ---------------------------------------------------------------------
     def test_per_sample_sampling(
         self,
@@ -294,23 +293,6 @@ class BackendConformance:
         assert int(out["generation_lengths"][0]) == expected, "sample 0 stops where its string ends"
         assert torch.equal(out["generation_lengths"][1:], base_len[1:]), "others are untouched"
 
-    def test_stop_token_ids(
-        self,
-        make_engine: Callable[..., Any],
-        batch: dict[str, torch.Tensor],
-        greedy_out: dict[str, torch.Tensor],
-    ) -> None:
-        start = int(batch["input_lengths"][1])
-        stop_id = int(greedy_out["output_ids"][1, start + 2])
-        engine = make_engine(stop_token_ids=[stop_id])
-        try:
-            out = engine.generate(batch, greedy=True)
-        finally:
-            engine.shutdown()
-        assert int(out["generation_lengths"][1]) <= 3
-        end = int(out["unpadded_sequence_lengths"][1])
-        assert int(out["output_ids"][1, end - 1]) == stop_id, "the stop token is kept"
-
     def test_text_path(
         self,
         engine: Any,
@@ -327,63 +309,6 @@ class BackendConformance:
         texts = engine.generate_text(data, greedy=True)["texts"]
         assert texts == generated_texts(tokenizer, greedy_out, batch, skip_special=True)
         assert engine.generate_text({"prompts": []})["texts"] == []
-
-    # ---- agreement with the reference ----------------------------------------------------------
-    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-    def test_reference_agreement(
-        self,
-        request: pytest.FixtureRequest,
-        dtype: str,
-        make_engine: Callable[..., Any],
-        engine: Any,
-        greedy_out: dict[str, torch.Tensor],
-        references: Callable[[str, str], Any],
-        model_dir: str,
-        batch: dict[str, torch.Tensor],
-    ) -> None:
-        if dtype == "float32":
-            out = greedy_out
-        else:
-            eng = make_engine(dtype=dtype)
-            try:
-                out = eng.generate(batch, greedy=True)
-            finally:
-                eng.shutdown()
-        stats = check_against_reference(references(model_dir, dtype), out, batch, dtype)
-        for k, v in stats.items():
-            request.node.user_properties.append((k, v))
-
-    def test_processed_logprobs(
-        self,
-        request: pytest.FixtureRequest,
-        make_engine: Callable[..., Any],
-        caps: frozenset[Capability],
-        references: Callable[[str, str], Any],
-        model_dir: str,
-        batch: dict[str, torch.Tensor],
-    ) -> None:
-        """``logprobs_mode="processed"``: logprobs of the tempered distribution that was sampled."""
-        overrides = {"logprobs_mode": "processed", "temperature": 0.7}
-        if Capability.PROCESSED_LOGPROBS not in caps:
-            with pytest.raises(UnsupportedCapability):
-                make_engine(**overrides)
-            pytest.skip("processed_logprobs not declared (UnsupportedCapability asserted)")
-        engine = make_engine(**overrides)
-        try:
-            out = engine.generate(batch)
-        finally:
-            engine.shutdown()
-        lengths = batch["input_lengths"]
-        ref = teacher_forced_logprobs(
-            references(model_dir, "float32"),
-            out["output_ids"],
-            lengths,
-            out["unpadded_sequence_lengths"],
-            0.7,
-        )
-        stats = agreement(out["logprobs"], ref, generated_mask(out, lengths))
-        request.node.user_properties.extend(stats.items())
-        assert stats["max_abs"] <= fp32_bound()["max_abs"], stats
 
     # ---- refit ---------------------------------------------------------------------------------
     def test_refit_follows_new_weights(
@@ -519,6 +444,95 @@ class BackendConformance:
         out = engine.generate(batch, greedy=True)
         assert torch.equal(out["output_ids"], greedy_out["output_ids"]), "engine still usable"
 
+    # ---- tests that make their own engines (last, so the shared one is not remade for them) -----
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_reference_agreement(
+        self,
+        request: pytest.FixtureRequest,
+        dtype: str,
+        make_engine: Callable[..., Any],
+        greedy_out: dict[str, torch.Tensor],
+        references: Callable[[str, str], Any],
+        model_dir: str,
+        batch: dict[str, torch.Tensor],
+    ) -> None:
+        if dtype == "float32":
+            out = greedy_out
+        else:
+            eng = make_engine(dtype=dtype)
+            try:
+                out = eng.generate(batch, greedy=True)
+            finally:
+                eng.shutdown()
+        stats = check_against_reference(references(model_dir, dtype), out, batch, dtype)
+        for k, v in stats.items():
+            request.node.user_properties.append((k, v))
+
+    def test_seeded_reproducibility(
+        self, make_engine: Callable[..., Any], batch: dict[str, torch.Tensor]
+    ) -> None:
+        """Two fresh engines with the same seed give the same samples, call after call (one
+        engine at a time)."""
+        runs = []
+        for _ in range(2):
+            eng = make_engine(seed=7)
+            try:
+                runs.append([eng.generate(batch)["output_ids"] for _ in range(2)])
+            finally:
+                eng.shutdown()
+        (first_a, second_a), (first_b, second_b) = runs
+        assert torch.equal(first_a, first_b) and torch.equal(second_a, second_b)
+        assert not torch.equal(first_a, second_a), "successive calls should draw new samples"
+
+    def test_stop_token_ids(
+        self,
+        make_engine: Callable[..., Any],
+        batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
+    ) -> None:
+        start = int(batch["input_lengths"][1])
+        stop_id = int(greedy_out["output_ids"][1, start + 2])
+        engine = make_engine(stop_token_ids=[stop_id])
+        try:
+            out = engine.generate(batch, greedy=True)
+        finally:
+            engine.shutdown()
+        assert int(out["generation_lengths"][1]) <= 3
+        end = int(out["unpadded_sequence_lengths"][1])
+        assert int(out["output_ids"][1, end - 1]) == stop_id, "the stop token is kept"
+
+    def test_processed_logprobs(
+        self,
+        request: pytest.FixtureRequest,
+        make_engine: Callable[..., Any],
+        caps: frozenset[Capability],
+        references: Callable[[str, str], Any],
+        model_dir: str,
+        batch: dict[str, torch.Tensor],
+    ) -> None:
+        """``logprobs_mode="processed"``: logprobs of the tempered distribution that was sampled."""
+        overrides = {"logprobs_mode": "processed", "temperature": 0.7}
+        if Capability.PROCESSED_LOGPROBS not in caps:
+            with pytest.raises(UnsupportedCapability):
+                make_engine(**overrides)
+            pytest.skip("processed_logprobs not declared (UnsupportedCapability asserted)")
+        engine = make_engine(**overrides)
+        try:
+            out = engine.generate(batch)
+        finally:
+            engine.shutdown()
+        lengths = batch["input_lengths"]
+        ref = teacher_forced_logprobs(
+            references(model_dir, "float32"),
+            out["output_ids"],
+            lengths,
+            out["unpadded_sequence_lengths"],
+            0.7,
+        )
+        stats = agreement(out["logprobs"], ref, generated_mask(out, lengths))
+        request.node.user_properties.extend(stats.items())
+        assert stats["max_abs"] <= fp32_bound()["max_abs"], stats
+
     # ---- lifecycle -----------------------------------------------------------------------------
     def test_shutdown_idempotent(
         self, make_engine: Callable[..., Any], batch: dict[str, torch.Tensor]
@@ -599,15 +613,44 @@ def device_memory_used() -> int:
     return total - free
 
 
-def _engine_factory(base_config: dict[str, Any]) -> Iterator[Callable[..., Any]]:
-    made: list[Any] = []
+class EnginePool:
+    """The engines of one test class: the shared one (made when first asked for, remade if it
+    was released) and those a test makes (shut down when the test ends). With ``one_engine``, a
+    test's engine first releases every other, so one engine holds the devices at a time: for
+    layouts that take all of them (TP=2 or DP=2 on two GPUs)."""
 
-    def make(**overrides: Any) -> Any:
-        engine = rollgen.create_generation(deep_merge(base_config, overrides))
-        made.append(engine)
+    def __init__(self, base_config: dict[str, Any], one_engine: bool = False) -> None:
+        self.base_config, self.one_engine = base_config, one_engine
+        self.greedy_out: dict[str, torch.Tensor] | None = None
+        self._shared: Any = None
+        self._made: list[Any] = []
+
+    def shared(self) -> Any:
+        if self._shared is None:
+            if self.one_engine:
+                self.end_test()
+            self._shared = rollgen.create_generation(self.base_config)
+        return self._shared
+
+    def make(self, **overrides: Any) -> Any:
+        if self.one_engine:
+            self.end_test()
+            self._release_shared()
+        engine = rollgen.create_generation(deep_merge(self.base_config, overrides))
+        self._made.append(engine)
         return engine
 
-    yield make
-    for engine in made:
-        engine.shutdown()
-    gc.collect()
+    def end_test(self) -> None:
+        while self._made:
+            self._made.pop().shutdown()
+        gc.collect()
+
+    def _release_shared(self) -> None:
+        if self._shared is not None:
+            self._shared, engine = None, self._shared
+            engine.shutdown()
+
+    def close(self) -> None:
+        self.end_test()
+        self._release_shared()
+        gc.collect()

