@@ -165,7 +165,7 @@ def refit_and_sleep(args: argparse.Namespace, gen: Any, llm: Any) -> dict[str, l
     refits = refit.measure(gen, state, args.bucket_mib, args.repeats)
     del state
     torch.cuda.empty_cache()
-    print_table(refits, ["bucket_mib", "gb", "refit_ms", "pack_ms", "gb_s", "d2d_copy_ms", "vs_floor"])
+    print_table(refits, ["bucket_mib", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"])
     wakes = [
         partial(gen.prepare_for_generation, ["weights"]),
         partial(gen.prepare_for_generation, ["kv_cache"]),

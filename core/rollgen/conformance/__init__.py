@@ -111,28 +111,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 class _JsonReport:
-    """Collects each test's outcome and recorded details; writes ``--rollgen-report``."""
+    """Collects each test's outcome and recorded details into ``--rollgen-report``, rewritten
+    after every test so that a run stopped from outside (a time limit) still leaves what ran."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.results: list[dict[str, Any]] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        if report.when == "call" or (report.when != "call" and report.outcome != "passed"):
             outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
             self.results.append(
                 {
                     "test": report.nodeid.split("::", 1)[-1],
+                    "when": report.when,
                     "outcome": outcome,
                     "duration_s": round(report.duration, 3),
                     "details": dict(report.user_properties),
                     "reason": str(report.longrepr[2])
                     if report.skipped and isinstance(report.longrepr, tuple)
                     else None,
+                    "error": report.longreprtext[-3000:] if report.failed else None,
                 }
             )
+            self._write()
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self._write()
+
+    def _write(self) -> None:
         path = self.config.getoption("--rollgen-report")
         if not path:
             return

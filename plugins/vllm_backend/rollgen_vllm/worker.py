@@ -8,8 +8,6 @@ import os
 import pickle
 from typing import Any
 
-import torch
-
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.errors import RollgenError
@@ -129,11 +127,10 @@ class VllmWorker:
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
+        # vLLM's workers free their own memory; this actor holds none of it
         self.llm.reset_prefix_cache()
         if self.sleep_enabled:
             self.llm.sleep(level=1)
-            gc.collect()
-            torch.cuda.empty_cache()
 
     def wake(self, tags: list[str]) -> None:
         if self.sleep_enabled:

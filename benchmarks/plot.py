@@ -1,0 +1,65 @@
+"""PNG plots of recorded benchmark results (the JSON the runners write), for BENCHMARKS.md.
+
+pip install 'rollgen[bench]'
+python -m benchmarks.plot benchmarks/results/2026-11-30-h200-session3 --out docs/img
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def load(results: Path, name: str) -> dict[str, Any]:
+    return json.loads((results / f"{name}.json").read_text())
+
+
+def refit_vs_bucket(results: Path, out: Path) -> Path:
+    """Refit time by bucket size (median with min–max), against the device-to-device copy floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = load(results, "vllm_gpu_single_refit")
+    rows = sorted(data["rows"], key=lambda r: r["bucket_mib"])
+    x = [r["bucket_mib"] for r in rows]
+    med = [r["refit_ms"] for r in rows]
+    err = [
+        [m - r["refit_ms_min"] for m, r in zip(med, rows)],
+        [r["refit_ms_max"] - m for m, r in zip(med, rows)],
+    ]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.errorbar(x, med, yerr=err, marker="o", capsize=3, label="rollgen refit (CUDA IPC, end to end)")
+    ax.axhline(rows[0]["d2d_copy_ms"], color="gray", linestyle="--", label="floor: one D2D copy of the bytes")
+    ax.axhline(25, color="red", linestyle=":", label="target 25 ms")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("bucket size (MiB)")
+    ax.set_ylabel("ms per full refit")
+    ax.set_title(
+        f"Refit of {rows[0]['gb']:.2f} GB ({rows[0]['tensors']} tensors), {data['machine'].get('gpu', 'CPU')}"
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "refit_vs_bucket.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("results", type=Path, help="a folder of result JSON files")
+    parser.add_argument("--out", type=Path, default=Path("docs/img"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(refit_vs_bucket(args.results, args.out))
+
+
+if __name__ == "__main__":
+    main()
