@@ -3,13 +3,16 @@ against the physical floor (a device-to-device copy of the same bytes on the sam
 
 from __future__ import annotations
 
+import pickle
 import statistics
+import time
 from functools import partial
 from typing import Any
 
 import torch
 
 from benchmarks.common import timed
+from rollgen.refit import iter_buckets
 
 #: Names a model with ``tie_word_embeddings`` holds as one tensor (its state dict lists both).
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -67,3 +70,37 @@ def measure(
             }
         )
     return rows
+
+
+def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[str, Any]:
+    """Where one refit's time goes, bucket by bucket, through the backend's own steps: packing
+    (flat copy and handles, in this process), the hop to the engine (pickling, Ray call, the
+    engine's RPC to its workers), the engine mapping the bucket, its weight loaders, and the
+    prefix-cache reset. Reaches into the generation's worker group, as only a profile should."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    pack_s = call_s = map_s = load_s = 0.0
+    buckets = iter_buckets(state, gen.local_transport, bucket_bytes=bucket_mib << 20)
+    while True:
+        sync()
+        t = time.perf_counter()
+        bucket = next(buckets, None)
+        sync()
+        pack_s += time.perf_counter() - t
+        if bucket is None:
+            break
+        t = time.perf_counter()
+        ranks = gen.group.call_sharded("apply_bucket", [pickle.dumps(bucket)])[0]
+        call_s += time.perf_counter() - t
+        del bucket
+        map_s += ranks[0]["map_s"]
+        load_s += ranks[0]["load_s"]
+    reset_s = timed(lambda: gen.group.call_all("reset_prefix_cache"))
+    return {
+        "bucket_mib": bucket_mib,
+        "pack_ms": pack_s * 1e3,
+        "hop_ms": (call_s - map_s - load_s) * 1e3,
+        "map_ms": map_s * 1e3,
+        "load_ms": load_s * 1e3,
+        "reset_ms": reset_s * 1e3,
+        "total_ms": (pack_s + call_s + reset_s) * 1e3,
+    }

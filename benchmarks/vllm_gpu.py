@@ -4,7 +4,8 @@ to spend less device time on start-ups.
 
     python -m benchmarks.vllm_gpu --part single    # one GPU: throughput eager and CUDA graphs
                                                     # (raw vLLM, raw vLLM in a Ray actor, rollgen),
-                                                    # own-work share, IPC refit, sleep/wake
+                                                    # own-work share, IPC refit (and where its
+                                                    # time goes), sleep/wake
     python -m benchmarks.vllm_gpu --part scaling   # two GPUs: DP=2 and TP=2 against DP=1
 """
 
@@ -132,7 +133,7 @@ def engine_device(gen: Any) -> torch.device:
 def single(args: argparse.Namespace, model: str, batch: dict[str, torch.Tensor]) -> dict[str, list]:
     import ray
 
-    results: dict[str, list] = {"throughput": [], "own_work": [], "refit": [], "sleep_wake": []}
+    results: dict[str, list] = {"throughput": [], "own_work": []}
     prompts = [{"prompt_token_ids": row.tolist()} for row in batch["input_ids"]]
     for i, mode in enumerate(args.modes):
         eager = mode == "eager"
@@ -163,9 +164,11 @@ def refit_and_sleep(args: argparse.Namespace, gen: Any, llm: Any) -> dict[str, l
     device = engine_device(gen)
     state = refit.random_state(gen.weight_spec, device, tied=QWEN25_1P5B["tie_word_embeddings"])
     refits = refit.measure(gen, state, args.bucket_mib, args.repeats)
+    profiles = [refit.profile(gen, state, mib) for mib in args.bucket_mib]
     del state
     torch.cuda.empty_cache()
     print_table(refits, ["bucket_mib", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"])
+    print_table(profiles, list(profiles[0]))
     wakes = [
         partial(gen.prepare_for_generation, ["weights"]),
         partial(gen.prepare_for_generation, ["kv_cache"]),
@@ -175,7 +178,7 @@ def refit_and_sleep(args: argparse.Namespace, gen: Any, llm: Any) -> dict[str, l
         sleep_wake.measure("raw", partial(llm.sleep, level=1), [llm.wake_up], device.index, args.repeats),
     ]
     print_table(sleeps, ["engine", "sleep_s", "wake_s", "released_gib", "retaken_gib"])
-    return {"refit": refits, "sleep_wake": sleeps}
+    return {"refit": refits, "refit_profile": profiles, "sleep_wake": sleeps}
 
 
 def scaling_part(args: argparse.Namespace, model: str, batch: dict[str, torch.Tensor]) -> dict[str, list]:

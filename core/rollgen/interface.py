@@ -275,6 +275,7 @@ class BaseGeneration(GenerationInterface):
             source, self.local_transport, bucket_bytes=bucket_bytes, dtype=dtype
         ):
             self._apply_bucket(bucket)
+            del bucket  # freed before the next one is packed: one bucket beyond the model at most
         self._reset_prefix_cache()
 
     @abstractmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 
 import torch
 
@@ -15,17 +16,21 @@ class RollgenWorkerExtension:
 
         return device_uuid(self.device) if torch.cuda.is_available() else "cpu"
 
-    def rollgen_load_bucket(self, per_rank: list[bytes]) -> int:
+    def rollgen_load_bucket(self, per_rank: list[bytes]) -> dict[str, float]:
         """Load one pickled WeightBucket of HF-named full tensors (``per_rank[rank]``); each
-        rank keeps its own shard."""
+        rank keeps its own shard. Returns the tensor count and the seconds spent mapping the
+        bucket and loading it (for profiles)."""
+        start = time.perf_counter()
         bucket = pickle.loads(per_rank[getattr(self, "rank", 0)])
         on_gpu = torch.cuda.is_available()
         named = bucket.unpack(self.device if on_gpu else None)
+        mapped = time.perf_counter()
         if on_gpu:
             # the weight loaders copy into the live parameters (each rank its shard)
             self.model_runner.model.load_weights(weights=named)
+            torch.cuda.synchronize()  # the sender frees the bucket once this returns
         else:
             # vLLM-CPU prepacks linear weights, which plain load_weights cannot write into; the
             # layerwise reload re-runs the repacking (it walks the whole model on every call)
             self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
-        return len(named)
+        return {"tensors": len(named), "map_s": mapped - start, "load_s": time.perf_counter() - mapped}

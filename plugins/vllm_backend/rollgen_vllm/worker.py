@@ -113,9 +113,9 @@ class VllmWorker:
             return list(lps.logprobs)
         return [pos[t].logprob for pos, t in zip(lps, completion.token_ids)]
 
-    def apply_bucket(self, data: bytes) -> list[int]:
+    def apply_bucket(self, data: bytes) -> list[dict[str, float]]:
         """Load a pickled WeightBucket into every TP rank (one pickle per rank: shared-memory
-        handles open once each)."""
+        handles open once each); each rank's tensor count and seconds mapping and loading."""
         bucket = pickle.loads(data).resolve()
         per_rank = [pickle.dumps(bucket) for _ in range(self.tp)]
         return self.llm.collective_rpc("rollgen_load_bucket", args=(per_rank,))
