@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs a command on the lent GPU machine after ../shared/gpu staging (docs/gpu-results.md has the
 # exact calls):  bash scripts/gpu_run.sh SET COMMAND...   with SET = vllm-ray or sglang.
-# Installs rollgen (with its entry points) into /tmp/rg once, puts the staged wheel set on
+# Installs rollgen (with its entry points) into /tmp/rg-HASH (HASH of the sources, so a changed
+# tree gets its own copy and runs still going keep theirs), puts the staged wheel set on
 # PYTHONPATH (for sglang: plus Ray alone, linked from the vllm-ray set, which must be staged too;
 # the two sets are never mixed otherwise) and sets the environment the GPU notes prescribe.
 set -uo pipefail
@@ -24,8 +25,11 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_
 export RAY_AUTH_MODE=disabled VLLM_ALLREDUCE_USE_SYMM_MEM=0 NCCL_NVLS_ENABLE=0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 SGLANG_OPT_USE_CUSTOM_ALL_REDUCE_V2=0
 export ROLLGEN_CACHE_DIR=/tmp/rgcache
-if [ ! -d /tmp/rg/rollgen ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/rg . || exit 1
+rg=/tmp/rg-$(find pyproject.toml core plugins -type f \( -name '*.py' -o -name '*.toml' \) -print0 \
+  | sort -z | xargs -0 cat | md5sum | cut -c1-10)
+if [ ! -d "$rg/rollgen" ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$rg.$$" . || exit 1
+  mv -T "$rg.$$" "$rg" 2>/dev/null || rm -rf "$rg.$$"  # a parallel run may have won
 fi
-export PYTHONPATH=/tmp/rg:$PYTHONPATH
+export PYTHONPATH=$rg:$PYTHONPATH
 "$@"

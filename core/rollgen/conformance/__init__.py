@@ -127,8 +127,11 @@ class _JsonReport:
         self.config = config
         self.results: list[dict[str, Any]] = []
         self._header: dict[str, Any] | None = None
+        self._setup_s: dict[str, float] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "setup":  # engines are made in setup: their time is reported with the test
+            self._setup_s[report.nodeid] = round(report.duration, 3)
         if report.when == "call" or (report.when != "call" and report.outcome != "passed"):
             outcome = "xfailed" if hasattr(report, "wasxfail") and report.skipped else report.outcome
             self.results.append(
@@ -137,6 +140,7 @@ class _JsonReport:
                     "when": report.when,
                     "outcome": outcome,
                     "duration_s": round(report.duration, 3),
+                    "setup_s": self._setup_s.get(report.nodeid),
                     "details": dict(report.user_properties),
                     "reason": str(report.longrepr[2])
                     if report.skipped and isinstance(report.longrepr, tuple)
