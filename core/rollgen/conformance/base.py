@@ -40,6 +40,10 @@ BOUNDS = {
     "float32-cuda": {"max_abs": 5e-3, "token_mult_prob_error": 1.002},
     "bfloat16": {"max_abs": 0.08, "token_mult_prob_error": 1.02},
 }
+#: Repeated greedy calls (and a refit back to the same weights) give the same tokens, and fp32
+#: logprobs within this. CUDA kernels are not bitwise reproducible from call to call: measured up
+#: to 1.7e-5 at TP=2 and 6e-7 at TP=1 (vLLM 0.26, fp32, H200s; docs/gpu-results.md, session 4).
+REPEAT_MAX_ABS = {"cpu": 1e-5, "cuda": 1e-4}
 #: In bf16 a generated token may differ from the reference argmax only on a near-tie.
 BF16_TIE_GAP = 0.05
 PROMPTS = [
@@ -620,9 +624,9 @@ def assert_same_generation(
     label: str,
     got: dict[str, torch.Tensor],
     want: dict[str, torch.Tensor],
-    atol: float = 1e-5,
 ) -> None:
-    """Same tokens, and logprobs within ``atol``; records the largest logprob difference."""
+    """Same tokens, and logprobs within ``REPEAT_MAX_ABS``; records the largest difference."""
+    atol = REPEAT_MAX_ABS["cuda" if torch.cuda.is_available() else "cpu"]
     rows = [
         i
         for i, (a, b) in enumerate(zip(got["output_ids"], want["output_ids"]))
