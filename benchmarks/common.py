@@ -94,9 +94,39 @@ def qwen25_1p5b_dir(root: str = "/tmp/rollgen-bench/qwen2.5-1.5b-shape") -> str:
     return str(path)
 
 
+#: The GPU workload: prompts of PROMPT random token ids, GEN new tokens each (temperature 1).
+PROMPT, GEN = 128, 256
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> torch.Tensor:
     """``n`` prompts of ``length`` random token ids (no padding needed: equal lengths)."""
     return torch.randint(10, vocab - 10, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def workload_batch(n: int) -> dict[str, torch.Tensor]:
+    """rollgen's input for ``n`` prompts of the GPU workload."""
+    return {
+        "input_ids": random_prompts(n, PROMPT, QWEN25_1P5B["vocab_size"]),
+        "input_lengths": torch.full((n,), PROMPT),
+    }
+
+
+def rollgen_generate(gen: Any, batch: dict[str, torch.Tensor]) -> Callable[[], int]:
+    """A contestant: one rollgen generate call on ``batch``, returning the tokens it generated."""
+
+    def run() -> int:
+        out = gen.generate(batch)
+        return int((out["unpadded_sequence_lengths"] - batch["input_lengths"]).sum())
+
+    return run
+
+
+def save_all(prefix: str, results: dict[str, list[dict[str, Any]]], out_dir: str) -> None:
+    """Writes each non-empty measurement as ``<prefix>_<name>.json`` (callable after each step,
+    so that a run cut off by a time limit keeps what it measured)."""
+    for name, rows in results.items():
+        if rows:
+            print(f"results: {write_results(f'{prefix}_{name}', rows, out_dir)}")
 
 
 def gpu_used_gib(device: int = 0) -> float:

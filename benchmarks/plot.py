@@ -50,6 +50,49 @@ def refit_vs_bucket(results: Path, out: Path) -> Path:
     return path
 
 
+def throughput_vs_batch(results: Path, out: Path) -> Path:
+    """Output tokens/s by batch size, raw vLLM and rollgen (median, min–max), and their paired
+    ratio on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = load(results, "vllm_gpu_sweep_throughput")
+    rows = sorted(data["rows"], key=lambda r: r["batch"])
+    x = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in ("raw", "rollgen"):
+        med = [r[f"{name}_tok_s"] for r in rows]
+        err = [
+            [m - r[f"{name}_tok_s_min"] for m, r in zip(med, rows)],
+            [r[f"{name}_tok_s_max"] - m for m, r in zip(med, rows)],
+        ]
+        label = "raw vLLM" if name == "raw" else "rollgen-vLLM"
+        ax.errorbar(x, med, yerr=err, marker="o", capsize=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompts per generate call")
+    ax.set_ylabel("output tokens/s")
+    ratio = ax.twinx()
+    ratio.plot(x, [r["rollgen_ratio"] for r in rows], color="gray", linestyle="--", marker=".")
+    ratio.axhline(0.99, color="red", linestyle=":")
+    ratio.set_ylabel("rollgen / raw (paired; dotted: 0.99 target)")
+    ax.set_title(f"Throughput by batch size, CUDA graphs, {data['machine'].get('gpu', 'CPU')}")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    path = out / "throughput_vs_batch.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+#: Each plot and the result file it needs; main draws those whose file is in the folder.
+PLOTS = {
+    "vllm_gpu_single_refit": refit_vs_bucket,
+    "vllm_gpu_sweep_throughput": throughput_vs_batch,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -58,7 +101,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(refit_vs_bucket(args.results, args.out))
+    for name, plot in PLOTS.items():
+        if (args.results / f"{name}.json").exists():
+            print(plot(args.results, args.out))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ to spend less device time on start-ups.
                                                     # own-work share, IPC refit (and where its
                                                     # time goes), sleep/wake
     python -m benchmarks.vllm_gpu --part scaling   # two GPUs: DP=2 and TP=2 against DP=1
+    python -m benchmarks.vllm_gpu --part sweep     # one GPU: throughput by batch size (--sweep),
+                                                    # raw vLLM and rollgen, CUDA graphs
 """
 
 from __future__ import annotations
@@ -23,10 +25,18 @@ import torch
 
 import rollgen
 from benchmarks import refit, scaling, sleep_wake, throughput
-from benchmarks.common import QWEN25_1P5B, print_table, qwen25_1p5b_dir, random_prompts, write_results
+from benchmarks.common import (
+    GEN,
+    PROMPT,
+    QWEN25_1P5B,
+    print_table,
+    qwen25_1p5b_dir,
+    rollgen_generate,
+    save_all,
+    workload_batch,
+)
 from rollgen.refit import device_uuid
 
-PROMPT, GEN = 128, 256
 #: Ray GPU share of one engine in the single-GPU part (rollgen's and the raw actor fit on one GPU).
 GPU_SHARE = 0.5
 
@@ -107,14 +117,6 @@ def raw_generate(llm: Any, prompts: list[dict[str, list[int]]]) -> Callable[[], 
     return run
 
 
-def rollgen_generate(gen: Any, batch: dict[str, torch.Tensor]) -> Callable[[], int]:
-    def run() -> int:
-        out = gen.generate(batch)
-        return int((out["unpadded_sequence_lengths"] - batch["input_lengths"]).sum())
-
-    return run
-
-
 def close_raw(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
     gc.collect()
@@ -130,9 +132,10 @@ def engine_device(gen: Any) -> torch.device:
     raise RuntimeError(f"engine GPU {uuid} is not visible here; run with both on one GPU")
 
 
-def single(args: argparse.Namespace, model: str, batch: dict[str, torch.Tensor]) -> dict[str, list]:
+def single(args: argparse.Namespace, model: str) -> dict[str, list]:
     import ray
 
+    batch = workload_batch(args.batch)
     results: dict[str, list] = {"throughput": [], "own_work": []}
     prompts = [{"prompt_token_ids": row.tolist()} for row in batch["input_ids"]]
     for i, mode in enumerate(args.modes):
@@ -181,7 +184,26 @@ def refit_and_sleep(args: argparse.Namespace, gen: Any, llm: Any) -> dict[str, l
     return {"refit": refits, "refit_profile": profiles, "sleep_wake": sleeps}
 
 
-def scaling_part(args: argparse.Namespace, model: str, batch: dict[str, torch.Tensor]) -> dict[str, list]:
+def sweep(args: argparse.Namespace, model: str) -> dict[str, list]:
+    """Throughput by batch size with CUDA graphs: raw vLLM and rollgen on one GPU, alternating
+    at each size (one pair of engines for the whole sweep)."""
+    gen = rollgen.create_generation(rollgen_config(model, False, args.util, gpus_per_bundle=GPU_SHARE))
+    llm = raw_llm(model, False, args.util)
+    results: dict[str, list] = {"throughput": []}
+    for n in args.sweep:
+        batch = workload_batch(n)
+        prompts = [{"prompt_token_ids": row.tolist()} for row in batch["input_ids"]]
+        contestants = {"raw": raw_generate(llm, prompts), "rollgen": rollgen_generate(gen, batch)}
+        results["throughput"].append({"batch": n, **throughput.measure("graphs", contestants, args.repeats)})
+        print_table(results["throughput"][-1:], ["batch", "raw_tok_s", "rollgen_tok_s", "rollgen_ratio"])
+        save(args, results)
+    gen.shutdown()
+    close_raw(llm)
+    return results
+
+
+def scaling_part(args: argparse.Namespace, model: str) -> dict[str, list]:
+    batch = workload_batch(args.batch)
     layouts = {"dp1": {}, "dp2": {"data_parallel_size": 2}, "tp2": {"tensor_parallel_size": 2}}
     rows = []
     for name, extra in layouts.items():
@@ -195,29 +217,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--part", choices=["single", "scaling"], required=True)
+    parser.add_argument("--part", choices=list(PARTS), required=True)
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs"], choices=["eager", "graphs"])
     parser.add_argument("--batch", type=int, default=256, help="prompts per generate call")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--util", type=float, default=0.25)
+    parser.add_argument("--sweep", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024])
     parser.add_argument("--bucket-mib", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the driver also runs Ray
     logging.basicConfig(level=logging.INFO)
-    model = qwen25_1p5b_dir()
-    batch = {
-        "input_ids": random_prompts(args.batch, PROMPT, QWEN25_1P5B["vocab_size"]),
-        "input_lengths": torch.full((args.batch,), PROMPT),
-    }
-    save(args, single(args, model, batch) if args.part == "single" else scaling_part(args, model, batch))
+    save(args, PARTS[args.part](args, qwen25_1p5b_dir()))
 
 
 def save(args: argparse.Namespace, results: dict[str, list]) -> None:
-    for name, rows in results.items():
-        if rows:
-            print(f"results: {write_results(f'vllm_gpu_{args.part}_{name}', rows, args.out)}")
+    save_all(f"vllm_gpu_{args.part}", results, args.out)
 
+
+PARTS: dict[str, Callable[[argparse.Namespace, str], dict[str, list]]] = {
+    "single": single,
+    "sweep": sweep,
+    "scaling": scaling_part,
+}
 
 if __name__ == "__main__":
     main()

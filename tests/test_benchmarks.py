@@ -1,0 +1,94 @@
+"""The benchmarks' shared plumbing on CPU (the GPU runs themselves are recorded in BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from benchmarks import common, refit, scaling, throughput
+from benchmarks.common import PROMPT, rollgen_generate, save_all, workload_batch
+
+
+def test_workload_batch_and_rollgen_contestant_count_generated_tokens() -> None:
+    batch = workload_batch(3)
+    assert batch["input_ids"].shape == (3, PROMPT) and (batch["input_lengths"] == PROMPT).all()
+
+    class Gen:
+        def generate(self, data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {"unpadded_sequence_lengths": data["input_lengths"] + torch.tensor([1, 2, 3])}
+
+    assert rollgen_generate(Gen(), batch)() == 6
+
+
+def test_paired_ratio_compares_rounds_and_tokens(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On a clock the contestants advance: one that takes twice as long as the baseline in every
+    round, while the machine slows down from round to round, has a paired ratio of exactly 0.5."""
+    clock = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+    durations: list[float] = []
+
+    def fast() -> int:
+        durations.append(1.0 + len(durations))  # each round slower than the last
+        clock[0] += durations[-1]
+        return 100
+
+    def slow() -> int:
+        clock[0] += 2 * durations[-1]
+        return 100
+
+    row = throughput.measure("m", {"raw": fast, "other": slow}, repeats=3)
+    assert row["tokens_raw"] == row["tokens_other"] == 100
+    assert row["other_ratio"] == 0.5
+    assert row["raw_tok_s_min"] < row["raw_tok_s"] < row["raw_tok_s_max"]
+
+
+def test_scaling_relative_to_first() -> None:
+    rows = scaling.relative_to_first([{"layout": "dp1", "tok_s": 10.0}, {"layout": "dp2", "tok_s": 19.0}])
+    assert [r["vs_dp1"] for r in rows] == [1.0, 1.9]
+
+
+def test_random_state_ties_lm_head_to_the_embeddings() -> None:
+    spec = {
+        "model.embed_tokens.weight": ((8, 4), "float32"),
+        "lm_head.weight": ((8, 4), "float32"),
+        "model.norm.weight": ((4,), "float32"),
+    }
+    state = refit.random_state(spec, torch.device("cpu"), tied=True)
+    assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
+    untied = refit.random_state(spec, torch.device("cpu"), tied=False)
+    assert untied["lm_head.weight"] is not untied["model.embed_tokens.weight"]
+
+
+def test_save_all_writes_non_empty_measurements(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    save_all("bench", {"a": [{"x": 1}], "empty": []}, str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == ["bench_a.json"]
+    data = json.loads((tmp_path / "bench_a.json").read_text())
+    assert data["rows"] == [{"x": 1}] and "machine" in data
+
+
+def test_plots_draw_from_result_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The PNGs of BENCHMARKS.md, from files in the runners' format (written by save_all); a
+    folder without a result file gets no plot for it."""
+    from benchmarks import plot
+
+    refit_row = {"bucket_mib": 64, "tensors": 3, "gb": 1.0, "refit_ms": 9.0, "refit_ms_min": 8.0}
+    refit_rows = [{**refit_row, "refit_ms_max": 10.0, "d2d_copy_ms": 1.0}]
+    sweep_rows = [
+        {
+            "batch": n,
+            "raw_tok_s": 100.0 * n,
+            "raw_tok_s_min": 90.0 * n,
+            "raw_tok_s_max": 110.0 * n,
+            "rollgen_tok_s": 99.0 * n,
+            "rollgen_tok_s_min": 89.0 * n,
+            "rollgen_tok_s_max": 109.0 * n,
+            "rollgen_ratio": 0.99,
+        }
+        for n in (32, 64)
+    ]
+    save_all("vllm_gpu_single", {"refit": refit_rows}, str(tmp_path / "results"))
+    save_all("vllm_gpu_sweep", {"throughput": sweep_rows}, str(tmp_path / "results"))
+    for name, draw in plot.PLOTS.items():
+        png = draw(tmp_path / "results", tmp_path)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
