@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import rollgen
-from rollgen.conformance.base import PROMPTS, encode
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
+from rollgen.testing.prompts import PROMPTS, encode
 from rollgen.testing.reference import agreement, generated_mask
 from rollgen.testing.tiny_model import tiny_model_dir
 

@@ -9,8 +9,8 @@ import torch
 
 import rollgen
 from rollgen import ConfigError, WorkerError
-from rollgen.conformance.base import PROMPTS, encode
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
+from rollgen.testing.prompts import PROMPTS, encode
 from rollgen.testing.reference import agreement, generated_mask
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")

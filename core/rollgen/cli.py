@@ -78,7 +78,7 @@ def backends(as_json: bool = typer.Option(False, "--json", help="machine-readabl
 def _config(backend: str, model: str | None, max_new_tokens: int, extra: str | None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from rollgen.conformance.base import deep_merge
+    from rollgen.config import deep_merge
     from rollgen.testing.tiny_model import tiny_model_dir
 
     model_dir = model or tiny_model_dir()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from functools import cache
 from typing import Any
@@ -42,3 +43,11 @@ def validate_config(config: Mapping[str, Any], config_type: type) -> dict[str, A
             problems,
         ) from None
     return {**CONFIG_DEFAULTS, **validated}
+
+
+def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``extra`` merged in, nested mappings key by key (neither is modified)."""
+    out = copy.deepcopy(dict(base))
+    for k, v in extra.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out

@@ -5,16 +5,23 @@ are alive at once (the shared one and a test's own), or one with ``--rollgen-one
 
 from __future__ import annotations
 
-import copy
-import gc
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import pytest
 import torch
 
 import rollgen
+from rollgen.config import deep_merge
+from rollgen.conformance.checks import (
+    assert_same_generation,
+    can_refit,
+    check_against_reference,
+    device_memory_used,
+    fp32_bound,
+)
+from rollgen.conformance.pool import EnginePool
 from rollgen.errors import (
     EngineAsleep,
     EngineClosed,
@@ -24,42 +31,9 @@ from rollgen.errors import (
 )
 from rollgen.registry import RegisteredBackend, get_registry
 from rollgen.spec import Capability
-from rollgen.testing.reference import (
-    agreement,
-    generated_mask,
-    load_reference_model,
-    teacher_forced_logprobs,
-)
+from rollgen.testing.prompts import PROMPTS, encode, generated_texts
+from rollgen.testing.reference import agreement, generated_mask, load_reference_model, teacher_forced_logprobs
 from rollgen.testing.tiny_model import tiny_model_dir
-
-#: Stated agreement bounds with the teacher-forced HF reference (run in fp32 or bf16 on CPU), per
-#: engine dtype. CUDA engines in fp32 use TF32 tensor-core matmuls and other kernels than the CPU
-#: reference: measured max |Δlogp| 1.4e-3 with vLLM 0.26 on an H200 (docs/gpu-results.md).
-BOUNDS = {
-    "float32": {"max_abs": 1e-4, "token_mult_prob_error": 1.0001},
-    "float32-cuda": {"max_abs": 5e-3, "token_mult_prob_error": 1.002},
-    "bfloat16": {"max_abs": 0.08, "token_mult_prob_error": 1.02},
-}
-#: Repeated greedy calls (and a refit back to the same weights) give the same tokens, and fp32
-#: logprobs within this. CUDA kernels are not bitwise reproducible from call to call: measured up
-#: to 1.7e-5 at TP=2 and 6e-7 at TP=1 (vLLM 0.26, fp32, H200s; docs/gpu-results.md, session 4).
-REPEAT_MAX_ABS = {"cpu": 1e-5, "cuda": 1e-4}
-#: In bf16 a generated token may differ from the reference argmax only on a near-tie.
-BF16_TIE_GAP = 0.05
-PROMPTS = [
-    "count: 3 4 5",
-    "abc: c d",
-    "count: 17 18 19 20 21 22",
-    "abc: a b c d e f g",
-    "count: 40",
-]
-
-
-def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(dict(base))
-    for k, v in extra.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
-    return out
 
 
 class BackendConformance:
@@ -548,139 +522,3 @@ class BackendConformance:
         engine.shutdown()
         with pytest.raises(EngineClosed):
             engine.generate(batch, greedy=True)
-
-
-# ---- helpers -------------------------------------------------------------------------------------
-def fp32_bound() -> dict[str, float]:
-    return BOUNDS["float32-cuda" if torch.cuda.is_available() else "float32"]
-
-
-def can_refit(caps: frozenset[Capability]) -> bool:
-    return bool({Capability.REFIT_TENSORS, Capability.REFIT_IPC} & caps)
-
-
-def encode(tokenizer: Any, prompts: list[str], extra_pad: int = 0) -> dict[str, torch.Tensor]:
-    """Right-padded batch of ``prompts``."""
-    enc = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    lengths = torch.tensor([len(e) for e in enc], dtype=torch.long)
-    ids = torch.full((len(enc), int(lengths.max()) + extra_pad), tokenizer.pad_token_id, dtype=torch.long)
-    for i, e in enumerate(enc):
-        ids[i, : len(e)] = torch.tensor(e)
-    return {"input_ids": ids, "input_lengths": lengths}
-
-
-def generated_texts(
-    tokenizer: Any,
-    out: Mapping[str, torch.Tensor],
-    batch: Mapping[str, torch.Tensor],
-    skip_special: bool = False,
-) -> list[str]:
-    rows = out["output_ids"].tolist()
-    return [
-        tokenizer.decode(r[s:e], skip_special_tokens=skip_special)
-        for r, s, e in zip(rows, batch["input_lengths"].tolist(), out["unpadded_sequence_lengths"].tolist())
-    ]
-
-
-def check_against_reference(
-    reference: Any, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor], dtype: str
-) -> dict[str, float]:
-    """Greedy tokens are the reference's argmax; logprobs agree within BOUNDS[dtype]."""
-    lengths = batch["input_lengths"]
-    mask = generated_mask(out, lengths)
-    ref = teacher_forced_logprobs(reference, out["output_ids"], lengths, out["unpadded_sequence_lengths"])
-    stats = agreement(out["logprobs"], ref, mask)
-    with torch.no_grad():
-        width = out["output_ids"].shape[1]
-        att = (torch.arange(width).unsqueeze(0) < out["unpadded_sequence_lengths"].unsqueeze(1)).long()
-        logits = reference(input_ids=out["output_ids"], attention_mask=att).logits.float()
-    logp = logits.log_softmax(-1)
-    best = torch.zeros_like(out["output_ids"])
-    best[:, 1:] = logp[:, :-1].argmax(-1)
-    top = torch.zeros_like(out["logprobs"])
-    top[:, 1:] = logp[:, :-1].max(-1).values
-    mismatch = mask & (best != out["output_ids"])
-    stats["argmax_mismatches"] = int(mismatch.sum())
-    if dtype == "float32":
-        assert stats["argmax_mismatches"] == 0, "greedy tokens differ from the reference argmax"
-    else:
-        gap = (top - ref)[mismatch]
-        assert (gap < BF16_TIE_GAP).all(), f"non-tie greedy mismatch (gaps {gap.tolist()})"
-    bound = fp32_bound() if dtype == "float32" else BOUNDS[dtype]
-    assert stats["max_abs"] <= bound["max_abs"], stats
-    assert stats["token_mult_prob_error"] <= bound["token_mult_prob_error"], stats
-    return stats
-
-
-def device_memory_used() -> int:
-    if not torch.cuda.is_available():
-        return 0
-    free, total = torch.cuda.mem_get_info()
-    return total - free
-
-
-def assert_same_generation(
-    request: pytest.FixtureRequest,
-    label: str,
-    got: dict[str, torch.Tensor],
-    want: dict[str, torch.Tensor],
-) -> None:
-    """Same tokens, and logprobs within ``REPEAT_MAX_ABS``; records the largest difference."""
-    atol = REPEAT_MAX_ABS["cuda" if torch.cuda.is_available() else "cpu"]
-    rows = [
-        i
-        for i, (a, b) in enumerate(zip(got["output_ids"], want["output_ids"]))
-        if a.shape != b.shape or not torch.equal(a, b)
-    ]
-    assert not rows and got["output_ids"].shape == want["output_ids"].shape, (
-        f"{label}: greedy tokens differ in rows {rows}:\n{got['output_ids']}\nvs\n{want['output_ids']}"
-    )
-    diff = (got["logprobs"] - want["logprobs"]).abs()
-    worst = float(diff.max()) if diff.numel() else 0.0
-    request.node.user_properties.append((f"{label}_max_abs_logprob_diff", worst))
-    assert worst <= atol, (
-        f"{label}: same tokens, but logprobs differ by up to {worst:.3g} (> {atol}); "
-        f"per row: {diff.amax(dim=1).tolist()}"
-    )
-
-
-class EnginePool:
-    """The engines of one test class: the shared one (made when first asked for, remade if it
-    was released) and those a test makes (shut down when the test ends). With ``one_engine``, a
-    test's engine first releases every other, so one engine holds the devices at a time: for
-    layouts that take all of them (TP=2 or DP=2 on two GPUs)."""
-
-    def __init__(self, base_config: dict[str, Any], one_engine: bool = False) -> None:
-        self.base_config, self.one_engine = base_config, one_engine
-        self.greedy_out: dict[str, torch.Tensor] | None = None
-        self._shared: Any = None
-        self._made: list[Any] = []
-
-    def shared(self) -> Any:
-        if self._shared is None:
-            if self.one_engine:
-                self.end_test()
-            self._shared = rollgen.create_generation(self.base_config)
-        return self._shared
-
-    def make(self, **overrides: Any) -> Any:
-        if self.one_engine:
-            self.end_test()
-            self._release_shared()
-        engine = rollgen.create_generation(deep_merge(self.base_config, overrides))
-        self._made.append(engine)
-        return engine
-
-    def end_test(self) -> None:
-        while self._made:
-            self._made.pop().shutdown()
-        gc.collect()
-
-    def _release_shared(self) -> None:
-        if self._shared is not None:
-            self._shared, engine = None, self._shared
-            engine.shutdown()
-
-    def close(self) -> None:
-        self._release_shared()
-        self.end_test()

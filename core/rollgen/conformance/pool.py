@@ -1,0 +1,53 @@
+"""The engines of one conformance test class."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+
+import rollgen
+from rollgen.config import deep_merge
+
+
+class EnginePool:
+    """The engines of one test class: the shared one (made when first asked for, remade if it
+    was released) and those a test makes (shut down when the test ends). With ``one_engine``, a
+    test's engine first releases every other, so one engine holds the devices at a time: for
+    layouts that take all of them (TP=2 or DP=2 on two GPUs)."""
+
+    def __init__(self, base_config: dict[str, Any], one_engine: bool = False) -> None:
+        self.base_config, self.one_engine = base_config, one_engine
+        self.greedy_out: dict[str, torch.Tensor] | None = None
+        self._shared: Any = None
+        self._made: list[Any] = []
+
+    def shared(self) -> Any:
+        if self._shared is None:
+            if self.one_engine:
+                self.end_test()
+            self._shared = rollgen.create_generation(self.base_config)
+        return self._shared
+
+    def make(self, **overrides: Any) -> Any:
+        if self.one_engine:
+            self.end_test()
+            self._release_shared()
+        engine = rollgen.create_generation(deep_merge(self.base_config, overrides))
+        self._made.append(engine)
+        return engine
+
+    def end_test(self) -> None:
+        while self._made:
+            self._made.pop().shutdown()
+        gc.collect()
+
+    def _release_shared(self) -> None:
+        if self._shared is not None:
+            self._shared, engine = None, self._shared
+            engine.shutdown()
+
+    def close(self) -> None:
+        self._release_shared()
+        self.end_test()

@@ -1,0 +1,40 @@
+"""The prompts the conformance suite, the demo and the tests share, and how they are encoded and
+decoded (right-padded token ids in, generated text out)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+PROMPTS = [
+    "count: 3 4 5",
+    "abc: c d",
+    "count: 17 18 19 20 21 22",
+    "abc: a b c d e f g",
+    "count: 40",
+]
+
+
+def encode(tokenizer: Any, prompts: list[str], extra_pad: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded batch of ``prompts``."""
+    enc = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    lengths = torch.tensor([len(e) for e in enc], dtype=torch.long)
+    ids = torch.full((len(enc), int(lengths.max()) + extra_pad), tokenizer.pad_token_id, dtype=torch.long)
+    for i, e in enumerate(enc):
+        ids[i, : len(e)] = torch.tensor(e)
+    return {"input_ids": ids, "input_lengths": lengths}
+
+
+def generated_texts(
+    tokenizer: Any,
+    out: Mapping[str, torch.Tensor],
+    batch: Mapping[str, torch.Tensor],
+    skip_special: bool = False,
+) -> list[str]:
+    rows = out["output_ids"].tolist()
+    return [
+        tokenizer.decode(r[s:e], skip_special_tokens=skip_special)
+        for r, s, e in zip(rows, batch["input_lengths"].tolist(), out["unpadded_sequence_lengths"].tolist())
+    ]
