@@ -15,4 +15,6 @@ CUDA_VISIBLE_DEVICES=$devices timeout -s INT -k 30 "$limit" bash scripts/gpu_run
   -q -rA --durations=0 --rollgen-backend="$backend" --rollgen-report="$out/conformance-$name.json" \
   ${config:+--rollgen-config="$config"} "$@" > "$out/log-$name.txt" 2>&1
 rc=$?
-echo "[$name] rc=$rc in $(( $(date +%s) - t0 )) s: $(grep -E '^(=+ )?[0-9]+ (passed|failed)|passed|failed' "$out/log-$name.txt" | tail -1)"
+# the report is rewritten after every test, so it has the counts even when the run was killed
+summary=$(python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); print(d["summary"], [t["test"] for t in d["tests"] if t["outcome"] == "failed"])' "$out/conformance-$name.json" 2>/dev/null)
+echo "[$name] rc=$rc in $(( $(date +%s) - t0 )) s: ${summary:-no report written}"
