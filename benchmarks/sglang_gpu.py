@@ -15,7 +15,6 @@ import argparse
 import logging
 import os
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -113,15 +112,11 @@ def main() -> None:
     results["refit"] = refit.measure(gen, state, args.bucket_mib, args.repeats)
     del state
     torch.cuda.empty_cache()
-    print_table(results["refit"], ["bucket_mib", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"])
+    print_table(results["refit"], refit.COLUMNS)
     save()
 
-    wakes = [
-        partial(gen.prepare_for_generation, ["weights"]),
-        partial(gen.prepare_for_generation, ["kv_cache"]),
-    ]
     results["sleep_wake"] = [
-        sleep_wake.measure("rollgen", gen.finish_generation, wakes, device.index, args.repeats),
+        sleep_wake.measure_rollgen(gen, device.index, args.repeats),
         sleep_wake.measure(
             "raw",
             engine.release_memory_occupation,
@@ -130,7 +125,7 @@ def main() -> None:
             args.repeats,
         ),
     ]
-    print_table(results["sleep_wake"], ["engine", "sleep_s", "wake_s", "released_gib", "retaken_gib"])
+    print_table(results["sleep_wake"], sleep_wake.COLUMNS)
     save()
     gen.shutdown()
     engine.shutdown()

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from benchmarks.common import gpu_used_gib, timed
+
+#: The columns of the printed table.
+COLUMNS = ["engine", "sleep_s", "wake_s", "released_gib", "retaken_gib"]
 
 
 def cycle(sleep: Callable[[], Any], wakes: list[Callable[[], Any]], device: int) -> dict[str, float]:
@@ -34,3 +38,12 @@ def measure(
         row[key] = statistics.median(r[key] for r in runs)
     row["wake_s_max"] = max(r["wake_s"] for r in runs)
     return row
+
+
+def measure_rollgen(gen: Any, device: int, repeats: int) -> dict[str, Any]:
+    """rollgen's sleep, then its staged wake: weights (where a refit would go), then KV cache."""
+    wakes = [
+        partial(gen.prepare_for_generation, ["weights"]),
+        partial(gen.prepare_for_generation, ["kv_cache"]),
+    ]
+    return measure("rollgen", gen.finish_generation, wakes, device, repeats)

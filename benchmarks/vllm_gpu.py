@@ -105,6 +105,11 @@ def actor_generate(actor: Any) -> int:
     return ray.get(actor.generate.remote())
 
 
+def raw_prompts(batch: dict[str, torch.Tensor]) -> list[dict[str, list[int]]]:
+    """The batch as ``vllm.LLM.generate`` takes token prompts (equal lengths: no padding)."""
+    return [{"prompt_token_ids": row.tolist()} for row in batch["input_ids"]]
+
+
 def raw_generate(llm: Any, prompts: list[dict[str, list[int]]]) -> Callable[[], int]:
     import vllm
 
@@ -137,7 +142,7 @@ def single(args: argparse.Namespace, model: str) -> dict[str, list]:
 
     batch = workload_batch(args.batch)
     results: dict[str, list] = {"throughput": [], "own_work": []}
-    prompts = [{"prompt_token_ids": row.tolist()} for row in batch["input_ids"]]
+    prompts = raw_prompts(batch)
     for i, mode in enumerate(args.modes):
         eager = mode == "eager"
         gen = rollgen.create_generation(rollgen_config(model, eager, args.util, gpus_per_bundle=GPU_SHARE))
@@ -170,17 +175,13 @@ def refit_and_sleep(args: argparse.Namespace, gen: Any, llm: Any) -> dict[str, l
     profiles = [refit.profile(gen, state, mib) for mib in args.bucket_mib]
     del state
     torch.cuda.empty_cache()
-    print_table(refits, ["bucket_mib", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"])
+    print_table(refits, refit.COLUMNS)
     print_table(profiles, list(profiles[0]))
-    wakes = [
-        partial(gen.prepare_for_generation, ["weights"]),
-        partial(gen.prepare_for_generation, ["kv_cache"]),
-    ]
     sleeps = [
-        sleep_wake.measure("rollgen", gen.finish_generation, wakes, device.index, args.repeats),
+        sleep_wake.measure_rollgen(gen, device.index, args.repeats),
         sleep_wake.measure("raw", partial(llm.sleep, level=1), [llm.wake_up], device.index, args.repeats),
     ]
-    print_table(sleeps, ["engine", "sleep_s", "wake_s", "released_gib", "retaken_gib"])
+    print_table(sleeps, sleep_wake.COLUMNS)
     return {"refit": refits, "refit_profile": profiles, "sleep_wake": sleeps}
 
 
@@ -192,7 +193,7 @@ def sweep(args: argparse.Namespace, model: str) -> dict[str, list]:
     results: dict[str, list] = {"throughput": []}
     for n in args.sweep:
         batch = workload_batch(n)
-        prompts = [{"prompt_token_ids": row.tolist()} for row in batch["input_ids"]]
+        prompts = raw_prompts(batch)
         contestants = {"raw": raw_generate(llm, prompts), "rollgen": rollgen_generate(gen, batch)}
         results["throughput"].append({"batch": n, **throughput.measure("graphs", contestants, args.repeats)})
         print_table(results["throughput"][-1:], ["batch", "raw_tok_s", "rollgen_tok_s", "rollgen_ratio"])

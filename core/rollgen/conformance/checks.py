@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollgen.spec import Capability
-from rollgen.testing.reference import agreement, generated_mask, teacher_forced_logprobs
+from rollgen.testing.reference import agreement, generated_mask, next_token_logprobs, scored_logprobs
 
 #: Stated agreement bounds with the teacher-forced HF reference (run in fp32 or bf16 on CPU), per
 #: engine dtype. CUDA engines in fp32 use TF32 tensor-core matmuls and other kernels than the CPU
@@ -39,20 +39,16 @@ def check_against_reference(
     reference: Any, out: Mapping[str, torch.Tensor], batch: Mapping[str, torch.Tensor], dtype: str
 ) -> dict[str, float]:
     """Greedy tokens are the reference's argmax; logprobs agree within BOUNDS[dtype]."""
-    lengths = batch["input_lengths"]
+    ids, lengths, ends = out["output_ids"], batch["input_lengths"], out["unpadded_sequence_lengths"]
     mask = generated_mask(out, lengths)
-    ref = teacher_forced_logprobs(reference, out["output_ids"], lengths, out["unpadded_sequence_lengths"])
+    logp = next_token_logprobs(reference, ids, ends)  # one reference pass for logprobs and argmax
+    ref = scored_logprobs(logp, ids, lengths, ends)
     stats = agreement(out["logprobs"], ref, mask)
-    with torch.no_grad():
-        width = out["output_ids"].shape[1]
-        att = (torch.arange(width).unsqueeze(0) < out["unpadded_sequence_lengths"].unsqueeze(1)).long()
-        logits = reference(input_ids=out["output_ids"], attention_mask=att).logits.float()
-    logp = logits.log_softmax(-1)
-    best = torch.zeros_like(out["output_ids"])
-    best[:, 1:] = logp[:, :-1].argmax(-1)
+    best = torch.zeros_like(ids)
+    best[:, 1:] = logp.argmax(-1)
     top = torch.zeros_like(out["logprobs"])
-    top[:, 1:] = logp[:, :-1].max(-1).values
-    mismatch = mask & (best != out["output_ids"])
+    top[:, 1:] = logp.max(-1).values
+    mismatch = mask & (best != ids)
     stats["argmax_mismatches"] = int(mismatch.sum())
     if dtype == "float32":
         assert stats["argmax_mismatches"] == 0, "greedy tokens differ from the reference argmax"

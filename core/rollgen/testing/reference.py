@@ -18,6 +18,36 @@ def load_reference_model(model_dir: str, dtype: torch.dtype = torch.float32) -> 
 
 
 @torch.no_grad()
+def next_token_logprobs(
+    model: Any, output_ids: torch.Tensor, unpadded_sequence_lengths: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """``model``'s log-softmax over the vocabulary for the token after each position but the
+    last, [B, W - 1, V] (one forward pass)."""
+    mask = torch.arange(output_ids.shape[1]).unsqueeze(0) < unpadded_sequence_lengths.unsqueeze(1)
+    ids = output_ids.clamp(min=0, max=model.config.vocab_size - 1)
+    logits = model(input_ids=ids, attention_mask=mask.long()).logits.float()
+    return torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
+
+
+def scored_logprobs(
+    logp: torch.Tensor,
+    output_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    unpadded_sequence_lengths: torch.Tensor,
+) -> torch.Tensor:
+    """The logprob ``logp`` (from ``next_token_logprobs``) gives each generated token, in the
+    GenerationOutputSpec layout: 0 on prompt and padding positions."""
+    batch, width = output_ids.shape
+    ids = output_ids.clamp(min=0, max=logp.shape[-1] - 1)
+    out = torch.zeros((batch, width), dtype=torch.float32)
+    out[:, 1:] = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    positions = torch.arange(width).unsqueeze(0)
+    generated = (positions >= input_lengths.unsqueeze(1)) & (
+        positions < unpadded_sequence_lengths.unsqueeze(1)
+    )
+    return out * generated
+
+
 def teacher_forced_logprobs(
     model: Any,
     output_ids: torch.Tensor,
@@ -27,17 +57,8 @@ def teacher_forced_logprobs(
 ) -> torch.Tensor:
     """Logprob of every generated token under ``model`` (as a trainer recomputes them), in the
     GenerationOutputSpec layout: 0 on prompt and padding positions."""
-    batch, width = output_ids.shape
-    positions = torch.arange(width).unsqueeze(0)
-    mask = positions < unpadded_sequence_lengths.unsqueeze(1)
-    ids = output_ids.clamp(min=0, max=model.config.vocab_size - 1)
-    logits = model(input_ids=ids, attention_mask=mask.long()).logits.float()
-    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
-    scored = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    out = torch.zeros((batch, width), dtype=torch.float32)
-    out[:, 1:] = scored
-    generated = (positions >= input_lengths.unsqueeze(1)) & mask
-    return out * generated
+    logp = next_token_logprobs(model, output_ids, unpadded_sequence_lengths, temperature)
+    return scored_logprobs(logp, output_ids, input_lengths, unpadded_sequence_lengths)
 
 
 def agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
