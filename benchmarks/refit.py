@@ -76,8 +76,10 @@ def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[s
     """Where one refit's time goes, bucket by bucket, through the backend's own steps: packing
     (flat copy and handles, in this process), the hop to the engine (pickling, Ray call, the
     engine's RPC to its workers), the engine mapping the bucket, its weight loaders, and the
-    prefix-cache reset. Calls the generation's private per-bucket step, as only a profile should."""
+    prefix-cache reset; ``loaded_by`` says whether the engine replayed a load plan. Calls the
+    generation's private per-bucket step, as only a profile should."""
     pack_s = call_s = map_s = load_s = 0.0
+    ways = set()
     buckets = iter_buckets(state, gen.local_transport, bucket_bytes=bucket_mib << 20)
     while True:
         bucket, seconds = timed_call(partial(next, buckets, None))
@@ -89,6 +91,7 @@ def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[s
         del bucket
         map_s += leaders[0][0]["map_s"]  # leader 0, TP rank 0
         load_s += leaders[0][0]["load_s"]
+        ways.add(leaders[0][0]["way"])
     reset_s = timed(gen._reset_prefix_cache)
     return {
         "bucket_mib": bucket_mib,
@@ -98,4 +101,5 @@ def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[s
         "load_ms": load_s * 1e3,
         "reset_ms": reset_s * 1e3,
         "total_ms": (pack_s + call_s + reset_s) * 1e3,
+        "loaded_by": "/".join(sorted(ways)),
     }

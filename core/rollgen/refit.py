@@ -191,11 +191,15 @@ def flat_offsets(tensors: list[torch.Tensor]) -> tuple[int, ...]:
 
 
 def flatten(tensors: list[torch.Tensor], offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """One uint8 buffer on ``device`` holding the bytes of ``tensors`` at ``offsets``."""
+    """One uint8 buffer on ``device`` holding the bytes of ``tensors`` at ``offsets`` (one fused
+    copy when the tensors are on ``device`` already)."""
     buf = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
-    for t, start in zip(tensors, offsets):
-        n = t.numel() * t.element_size()
-        buf[start : start + n].copy_(t.reshape(-1).view(torch.uint8))
+    views = unflatten(buf, tuple(TensorMeta.of("", t) for t in tensors), offsets)
+    if all(t.device == buf.device for t in tensors):
+        torch._foreach_copy_(views, tensors)
+    else:
+        for view, t in zip(views, tensors):
+            view.copy_(t)
     return buf
 
 

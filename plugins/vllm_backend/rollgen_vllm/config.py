@@ -18,6 +18,9 @@ class VllmCfg(RayEngineCfg):
     load_format: NotRequired[str]
     #: Run the engine core inside the actor process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
     in_process: NotRequired[bool]
+    #: On GPU, load a refit of a layout seen before by replaying the copies vLLM's weight loaders
+    #: made the first time (``rollgen.load_plan``); False runs the loaders every time.
+    replay_refit: NotRequired[bool]
 
 
 #: Defaults of the vLLM-only keys (the Ray keys' defaults are rollgen.distributed's).
@@ -27,6 +30,7 @@ VLLM_CFG_DEFAULTS: dict[str, Any] = {
     "enforce_eager": True,
     "load_format": "auto",
     "in_process": False,
+    "replay_refit": True,
 }
 
 

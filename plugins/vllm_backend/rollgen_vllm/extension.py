@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pickle
 import time
+from typing import Any
 
 import torch
+
+from rollgen.load_plan import LoadPlans
 
 
 class RollgenWorkerExtension:
@@ -16,21 +19,33 @@ class RollgenWorkerExtension:
 
         return device_uuid(self.device) if torch.cuda.is_available() else "cpu"
 
-    def rollgen_load_bucket(self, per_rank: list[bytes]) -> dict[str, float]:
+    def rollgen_load_bucket(self, per_rank: list[bytes], replay: bool = True) -> dict[str, Any]:
         """Load one pickled WeightBucket of HF-named full tensors (``per_rank[rank]``); each
-        rank keeps its own shard. Returns the tensor count and the seconds spent mapping the
-        bucket and loading it (for profiles)."""
+        rank keeps its own shard. Returns the tensor count, the seconds spent mapping the bucket
+        and loading it, and how it was loaded (for profiles)."""
         start = time.perf_counter()
         bucket = pickle.loads(per_rank[getattr(self, "rank", 0)])
         on_gpu = torch.cuda.is_available()
         named = bucket.unpack(self.device if on_gpu else None)
         mapped = time.perf_counter()
+        way = "loaded"
         if on_gpu:
             # the weight loaders copy into the live parameters (each rank its shard)
-            self.model_runner.model.load_weights(weights=named)
+            model = self.model_runner.model
+            if replay:
+                if not hasattr(self, "rollgen_load_plans"):
+                    self.rollgen_load_plans = LoadPlans(model.parameters)
+                way = self.rollgen_load_plans.load(named, lambda w: model.load_weights(weights=w))
+            else:
+                model.load_weights(weights=named)
             torch.cuda.synchronize()  # the sender frees the bucket once this returns
         else:
             # vLLM-CPU prepacks linear weights, which plain load_weights cannot write into; the
             # layerwise reload re-runs the repacking (it walks the whole model on every call)
             self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
-        return {"tensors": len(named), "map_s": mapped - start, "load_s": time.perf_counter() - mapped}
+        return {
+            "tensors": len(named),
+            "map_s": mapped - start,
+            "load_s": time.perf_counter() - mapped,
+            "way": way,
+        }

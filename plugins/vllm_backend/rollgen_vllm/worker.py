@@ -113,12 +113,13 @@ class VllmWorker:
             return list(lps.logprobs)
         return [pos[t].logprob for pos, t in zip(lps, completion.token_ids)]
 
-    def apply_bucket(self, data: bytes) -> list[dict[str, float]]:
+    def apply_bucket(self, data: bytes) -> list[dict[str, Any]]:
         """Load a pickled WeightBucket into every TP rank (one pickle per rank: shared-memory
         handles open once each); each rank's tensor count and seconds mapping and loading."""
         bucket = pickle.loads(data).resolve()
         per_rank = [pickle.dumps(bucket) for _ in range(self.tp)]
-        return self.llm.collective_rpc("rollgen_load_bucket", args=(per_rank,))
+        replay = self.cfg["vllm_cfg"]["replay_refit"]
+        return self.llm.collective_rpc("rollgen_load_bucket", args=(per_rank, replay))
 
     def device_uuids(self) -> list[str]:
         return self.llm.collective_rpc("rollgen_device_uuid")

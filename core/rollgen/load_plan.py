@@ -1,0 +1,199 @@
+"""Replayable weight loading: run an engine's weight loaders once under a recorder, then load
+later refits of the same layout by replaying the copies they made, fused.
+
+An engine's loaders (vLLM's ``load_weights``) map checkpoint names onto its fused, sharded
+parameters in Python, tensor by tensor. For a refit with the same names, shapes and dtypes the
+mapping is the same every time, so the recorder notes which slice of which incoming tensor each
+loader copied into which slice of which tensor, and the replay makes those copies with one
+``torch._foreach_copy_`` per run of copies.
+
+A plan is kept only when the recording shows the loaders did nothing else: views of the incoming
+tensors copied into tensors that existed before, and constant fills. A loader that computes on the
+incoming values (a cast, a transpose made contiguous, a concatenation), writes another way,
+rebinds a parameter, or writes one place twice gets no plan: that layout goes through the loaders
+every time. A replay first checks that the module's parameters are the ones recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+logger = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+Named = Sequence[tuple[str, torch.Tensor]]
+#: How a load went: replayed from a plan, loaded while recording one, or loaded without a plan.
+LoadWay = Literal["replayed", "recorded", "loaded"]
+#: Writes a plan may hold besides copies from the incoming tensors (they take no tensor input).
+CONSTANT_WRITES = {aten.fill_.Scalar, aten.zero_.default}
+
+
+@dataclass(frozen=True)
+class Source:
+    """A view of incoming tensor ``index``: ``offset`` elements from its start."""
+
+    index: int
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def of(self, incoming: Sequence[torch.Tensor]) -> torch.Tensor:
+        t = incoming[self.index]
+        return t.as_strided(self.size, self.stride, t.storage_offset() + self.offset)
+
+
+@dataclass
+class CopyRun:
+    """Consecutive copies from incoming views, made as one fused copy."""
+
+    dsts: list[torch.Tensor] = field(default_factory=list)
+    srcs: list[Source] = field(default_factory=list)
+
+
+Step = CopyRun | tuple[Any, tuple[Any, ...], dict[str, Any]]
+
+
+@dataclass
+class Plan:
+    steps: list[Step]
+    #: ``data_ptr`` of every parameter when recorded; a replay needs the same.
+    params: tuple[int, ...]
+
+    @torch.no_grad()
+    def replay(self, incoming: Sequence[torch.Tensor]) -> None:
+        for step in self.steps:
+            if isinstance(step, CopyRun):
+                torch._foreach_copy_(step.dsts, [s.of(incoming) for s in step.srcs])
+            else:
+                func, args, kwargs = step
+                func(*args, **kwargs)
+
+
+class NoPlan(Exception):
+    """What the loaders did that a plan cannot replay (internal: ends a recording)."""
+
+
+class Recorder(TorchDispatchMode):
+    """Runs the loaders and notes their writes as plan steps."""
+
+    def __init__(self, incoming: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.incoming = incoming
+        self.storages = {t.untyped_storage().data_ptr() for t in incoming if t.numel()}
+        self.steps: list[Step] = []
+        self.reason: str | None = None
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.reason is None:
+            try:
+                self.note(func, args, kwargs)
+            except NoPlan as e:
+                self.reason = str(e)
+            except (RuntimeError, NotImplementedError) as e:  # e.g. a tensor without storage
+                self.reason = f"the recorder cannot follow {func}: {e}"  # the load itself goes on
+        return out
+
+    def is_incoming(self, t: Any) -> bool:
+        return (
+            isinstance(t, torch.Tensor) and t.numel() > 0 and t.untyped_storage().data_ptr() in self.storages
+        )
+
+    def note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        schema = func._schema
+        values = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)]
+        written = [
+            v for a, v in zip(schema.arguments, values) if a.alias_info is not None and a.alias_info.is_write
+        ]
+        reads_incoming = any(self.is_incoming(t) for t in tree_leaves((args, kwargs)))
+        if func is aten.copy_.default and not args[0].numel():
+            return
+        if func is aten.copy_.default and self.is_incoming(args[1]) and not self.is_incoming(args[0]):
+            self.add_copy(args[0], args[1])
+        elif written:
+            if func not in CONSTANT_WRITES or reads_incoming:
+                raise NoPlan(f"the loaders write with {func} (only copies of incoming tensors replay)")
+            self.steps.append((func, args, kwargs))
+        elif reads_incoming and not all(r.alias_info is not None for r in schema.returns):
+            raise NoPlan(f"the loaders compute on incoming values with {func}")
+
+    def add_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        index = next((i for i, t in enumerate(self.incoming) if holds(t, src)), None)
+        if index is None:
+            raise NoPlan("a copy's source lies outside the incoming tensors")
+        t = self.incoming[index]
+        if src.dtype != t.dtype:
+            raise NoPlan(f"the loaders view {t.dtype} incoming data as {src.dtype}")
+        offset = (src.data_ptr() - t.data_ptr()) // t.element_size()
+        source = Source(index, offset, tuple(src.shape), tuple(src.stride()))
+        run = self.steps[-1] if self.steps else None
+        if not isinstance(run, CopyRun):
+            run = CopyRun()
+            self.steps.append(run)
+        run.dsts.append(dst)
+        run.srcs.append(source)
+
+
+def holds(t: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``view`` starts inside ``t``'s bytes."""
+    start = t.data_ptr()
+    same = t.numel() > 0 and t.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+    return same and start <= view.data_ptr() < start + t.numel() * t.element_size()
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int, int]:
+    """(storage, first byte, one past the last byte) that ``t`` may touch."""
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    return t.untyped_storage().data_ptr(), t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def overlapping(dsts: Iterable[torch.Tensor]) -> bool:
+    spans = sorted(byte_span(t) for t in dsts)
+    return any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:]))
+
+
+class LoadPlans:
+    """The plans of one model, by incoming layout (names, shapes, dtypes, strides)."""
+
+    def __init__(self, params: Callable[[], Iterable[torch.Tensor]]) -> None:
+        self.params = params
+        self.plans: dict[tuple[Any, ...], Plan | None] = {}
+
+    def fingerprint(self) -> tuple[int, ...]:
+        return tuple(p.data_ptr() for p in self.params())
+
+    def load(self, named: Named, loader: Callable[[Named], object]) -> LoadWay:
+        """Load ``named``: by its layout's plan, or through ``loader`` (recording a plan the first
+        time this layout is seen)."""
+        key = tuple((n, tuple(t.shape), t.dtype, t.stride()) for n, t in named)
+        incoming = [t for _, t in named]
+        plan = self.plans.get(key)
+        if plan is not None and plan.params == self.fingerprint():
+            plan.replay(incoming)
+            return "replayed"
+        if key in self.plans and plan is None:
+            loader(named)
+            return "loaded"
+        before = self.fingerprint()
+        with Recorder(incoming) as recorder:
+            loader(named)
+        reason = recorder.reason
+        copies = [d for s in recorder.steps if isinstance(s, CopyRun) for d in s.dsts]
+        if reason is None and self.fingerprint() != before:
+            reason = "the loaders rebound parameters"
+        if reason is None and overlapping(copies):
+            reason = "the loaders write one place twice"
+        if reason is not None:
+            logger.info("weights of this layout load through the engine's loaders each time: %s", reason)
+        self.plans[key] = None if reason is not None else Plan(recorder.steps, before)
+        return "recorded"

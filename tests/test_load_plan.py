@@ -1,0 +1,196 @@
+"""Load plans (rollgen.load_plan) against loaders written the way engines write them: fused
+q/k/v and gate/up parameters filled slice by slice, a tensor-parallel shard taken from the source,
+a padded vocabulary zero-filled. A replayed load must leave every parameter exactly as the loaders
+would; a loader a plan cannot replay must still load correctly, every time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollgen.load_plan import LoadPlans
+from rollgen.refit import pack_bucket
+
+Named = Sequence[tuple[str, torch.Tensor]]
+HIDDEN, VOCAB, PADDED_VOCAB = 8, 10, 12
+
+
+class Model(torch.nn.Module):
+    """Engine-style layout: q/k/v fused, the MLP's input dim sharded (rank 1 of 2), the
+    embedding padded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(3 * HIDDEN, HIDDEN), requires_grad=False)
+        self.down = torch.nn.Parameter(torch.zeros(HIDDEN, HIDDEN // 2), requires_grad=False)
+        self.embed = torch.nn.Parameter(torch.full((PADDED_VOCAB, HIDDEN), 7.0), requires_grad=False)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Named) -> None:
+        for name, w in weights:
+            if name in ("q", "k", "v"):
+                self.qkv.data.narrow(0, "qkv".index(name) * HIDDEN, HIDDEN).copy_(w)
+            elif name == "down":
+                self.down.data.copy_(w.narrow(1, HIDDEN // 2, HIDDEN // 2))
+            elif name == "embed":
+                self.embed.data[:VOCAB].copy_(w)
+                self.embed.data[VOCAB:].fill_(0)
+
+
+def checkpoint(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, HIDDEN), "v": (HIDDEN, HIDDEN)}
+    shapes |= {"down": (HIDDEN, HIDDEN), "embed": (VOCAB, HIDDEN)}
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def loaded_by_loaders(
+    state: dict[str, torch.Tensor], loader: str = "load_weights"
+) -> dict[str, torch.Tensor]:
+    model = Model()
+    getattr(model, loader)(list(state.items()))
+    return model.state_dict()
+
+
+def load(plans: LoadPlans, model: Model, state: dict[str, torch.Tensor], loader: str = "load_weights") -> str:
+    named = pack_bucket(state.items(), "shared_memory").unpack()
+    return plans.load(named, getattr(model, loader))
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+
+
+def test_replay_loads_what_the_loaders_load() -> None:
+    model = Model()
+    plans = LoadPlans(model.parameters)
+    assert load(plans, model, checkpoint(0)) == "recorded"
+    assert_same(model.state_dict(), loaded_by_loaders(checkpoint(0)))
+    for seed in (1, 2):
+        model.embed.data.fill_(5.0)  # the replayed fill must zero the padding again
+        assert load(plans, model, checkpoint(seed)) == "replayed"
+        assert_same(model.state_dict(), loaded_by_loaders(checkpoint(seed)))
+
+
+def test_another_layout_records_its_own_plan() -> None:
+    model = Model()
+    plans = LoadPlans(model.parameters)
+    load(plans, model, checkpoint(0))
+    reordered = dict(reversed(list(checkpoint(1).items())))
+    assert load(plans, model, reordered) == "recorded"
+    assert load(plans, model, reordered) == "replayed"
+    assert_same(model.state_dict(), loaded_by_loaders(checkpoint(1)))
+
+
+def test_rebound_parameters_are_recorded_again() -> None:
+    model = Model()
+    plans = LoadPlans(model.parameters)
+    load(plans, model, checkpoint(0))
+    model.qkv.data = torch.zeros_like(model.qkv)  # e.g. an engine reallocating its weights
+    assert load(plans, model, checkpoint(1)) == "recorded"
+    assert_same(model.state_dict(), loaded_by_loaders(checkpoint(1)))
+
+
+class Casting(Model):
+    """Loaders a plan cannot replay: they compute on the incoming values."""
+
+    @torch.no_grad()
+    def load_scaled(self, weights: Named) -> None:
+        super().load_weights([(n, w * 2) if n == "q" else (n, w) for n, w in weights])
+
+    @torch.no_grad()
+    def load_transposed(self, weights: Named) -> None:
+        super().load_weights([(n, w.t().contiguous().t()) if n == "k" else (n, w) for n, w in weights])
+
+    @torch.no_grad()
+    def load_rebinding(self, weights: Named) -> None:
+        super().load_weights(weights)
+        self.down.data = self.down.data.clone()
+
+
+@pytest.mark.parametrize(
+    ("loader", "reason"),
+    [("load_scaled", "aten.mul"), ("load_transposed", "aten.clone"), ("load_rebinding", "rebound")],
+)
+def test_loaders_without_a_plan_run_every_time(
+    loader: str, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = Casting()
+    plans = LoadPlans(model.parameters)
+    with caplog.at_level(logging.INFO, logger="rollgen.load_plan"):
+        assert load(plans, model, checkpoint(0), loader) == "recorded"
+    assert reason in caplog.text
+    for seed in (1, 2):
+        assert load(plans, model, checkpoint(seed), loader) == "loaded"
+        expected = Casting()
+        getattr(expected, loader)(list(checkpoint(seed).items()))
+        assert_same(model.state_dict(), expected.state_dict())
+
+
+def test_writing_one_place_twice_gets_no_plan() -> None:
+    target = torch.zeros(4)
+
+    def loader(named: Named) -> None:
+        for _, w in named:
+            target.copy_(w)  # each tensor overwrites the last: order matters, no fused copy
+
+    plans = LoadPlans(lambda: [target])
+    named = [("a", torch.ones(4)), ("b", torch.full((4,), 2.0))]
+    assert plans.load(named, loader) == "recorded"
+    assert plans.load([("a", torch.ones(4)), ("b", torch.full((4,), 3.0))], loader) == "loaded"
+    assert target.tolist() == [3.0] * 4
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 5), st.integers(1, 5), st.booleans()), min_size=1, max_size=6))
+def test_replay_matches_any_slicing(layout: list[tuple[int, int, bool]]) -> None:
+    """Tensors of random shapes, each copied (whole or transposed) into its own rows of one flat
+    parameter: the replay of new values equals a fresh load by the loader."""
+    rows = [r * c for r, c, _ in layout]
+    param = torch.zeros(sum(rows))
+
+    def loader(named: Named) -> None:
+        start = 0
+        for (_, w), (r, c, transpose), n in zip(named, layout, rows):
+            view = param.narrow(0, start, n).view(c, r) if transpose else param.narrow(0, start, n).view(r, c)
+            view.copy_(w.t() if transpose else w)
+            start += n
+
+    def state(seed: int) -> list[tuple[str, torch.Tensor]]:
+        g = torch.Generator().manual_seed(seed)
+        return [(f"w{i}", torch.randn(r, c, generator=g)) for i, (r, c, _) in enumerate(layout)]
+
+    plans = LoadPlans(lambda: [param])
+    assert plans.load(pack_bucket(state(0), "shared_memory").unpack(), loader) == "recorded"
+    assert plans.load(pack_bucket(state(1), "shared_memory").unpack(), loader) == "replayed"
+    replayed = param.clone()
+    param.zero_()
+    loader(state(1))
+    assert torch.equal(replayed, param)
+
+
+def test_replay_of_torch_load_state_dict() -> None:
+    """torch's own loader (``load_state_dict``, as HF models use it) on a real Qwen2 layout."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    model, *checkpoints = (Qwen2ForCausalLM(config) for _ in range(3))
+    plans = LoadPlans(model.parameters)
+
+    def loader(named: Named) -> None:
+        model.load_state_dict(dict(named), strict=False)
+
+    for checkpoint, way in zip(checkpoints, ["recorded", "replayed"]):
+        state = {n: t.detach() for n, t in checkpoint.state_dict().items()}
+        assert plans.load(pack_bucket(state.items(), "shared_memory").unpack(), loader) == way
+        assert_same(model.state_dict(), state)
