@@ -23,7 +23,7 @@ def refit_vs_bucket(results: Path, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = load(results, "vllm_gpu_single_refit")
+    data = load(results, "vllm_gpu_refit_by_bucket")
     rows = sorted(data["rows"], key=lambda r: r["bucket_mib"])
     x = [r["bucket_mib"] for r in rows]
     med = [r["refit_ms"] for r in rows]
@@ -88,7 +88,7 @@ def throughput_vs_batch(results: Path, out: Path) -> Path:
 
 #: Each plot and the result file it needs; main draws those whose file is in the folder.
 PLOTS = {
-    "vllm_gpu_single_refit": refit_vs_bucket,
+    "vllm_gpu_refit_by_bucket": refit_vs_bucket,
     "vllm_gpu_sweep_throughput": throughput_vs_batch,
 }
 

@@ -4,8 +4,9 @@ to spend less device time on start-ups.
 
     python -m benchmarks.vllm_gpu --part single    # one GPU: throughput eager and CUDA graphs
                                                     # (raw vLLM, raw vLLM in a Ray actor, rollgen),
-                                                    # own-work share, IPC refit (and where its
-                                                    # time goes), sleep/wake
+                                                    # own-work share
+    python -m benchmarks.vllm_gpu --part refit     # one GPU: IPC refit by bucket size (and where
+                                                    # its time goes), sleep/wake against raw vLLM
     python -m benchmarks.vllm_gpu --part scaling   # two GPUs: DP=2 and TP=2 against DP=1
     python -m benchmarks.vllm_gpu --part sweep     # one GPU: throughput by batch size (--sweep),
                                                     # raw vLLM and rollgen, CUDA graphs
@@ -143,7 +144,7 @@ def single(args: argparse.Namespace, model: str) -> dict[str, list]:
     batch = workload_batch(args.batch)
     results: dict[str, list] = {"throughput": [], "own_work": []}
     prompts = raw_prompts(batch)
-    for i, mode in enumerate(args.modes):
+    for mode in args.modes:
         eager = mode == "eager"
         gen = rollgen.create_generation(rollgen_config(model, eager, args.util, gpus_per_bundle=GPU_SHARE))
         llm = raw_llm(model, eager, args.util)
@@ -160,11 +161,19 @@ def single(args: argparse.Namespace, model: str) -> dict[str, list]:
         results["own_work"].append({"mode": mode, **share})
         ray.get(actor.shutdown.remote())
         ray.kill(actor)
-        if i == 0:
-            results.update(refit_and_sleep(args, gen, llm))
         gen.shutdown()
         close_raw(llm)
         save(args, results)  # after each mode: a run cut off by a time limit keeps what it measured
+    return results
+
+
+def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
+    """rollgen's engine (CUDA graphs) for the refit and sleep/wake; raw vLLM's sleep/wake beside."""
+    gen = rollgen.create_generation(rollgen_config(model, False, args.util, gpus_per_bundle=GPU_SHARE))
+    llm = raw_llm(model, False, args.util)
+    results = refit_and_sleep(args, gen, llm)
+    gen.shutdown()
+    close_raw(llm)
     return results
 
 
@@ -182,7 +191,7 @@ def refit_and_sleep(args: argparse.Namespace, gen: Any, llm: Any) -> dict[str, l
         sleep_wake.measure("raw", partial(llm.sleep, level=1), [llm.wake_up], device.index, args.repeats),
     ]
     print_table(sleeps, sleep_wake.COLUMNS)
-    return {"refit": refits, "refit_profile": profiles, "sleep_wake": sleeps}
+    return {"by_bucket": refits, "profile": profiles, "sleep_wake": sleeps}
 
 
 def sweep(args: argparse.Namespace, model: str) -> dict[str, list]:
@@ -238,6 +247,7 @@ def save(args: argparse.Namespace, results: dict[str, list]) -> None:
 
 PARTS: dict[str, Callable[[argparse.Namespace, str], dict[str, list]]] = {
     "single": single,
+    "refit": refit_part,
     "sweep": sweep,
     "scaling": scaling_part,
 }

@@ -87,7 +87,7 @@ def test_plots_draw_from_result_files(tmp_path) -> None:  # type: ignore[no-unty
         }
         for n in (32, 64)
     ]
-    save_all("vllm_gpu_single", {"refit": refit_rows}, str(tmp_path / "results"))
+    save_all("vllm_gpu_refit", {"by_bucket": refit_rows}, str(tmp_path / "results"))
     save_all("vllm_gpu_sweep", {"throughput": sweep_rows}, str(tmp_path / "results"))
     for name, draw in plot.PLOTS.items():
         png = draw(tmp_path / "results", tmp_path)
