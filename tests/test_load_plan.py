@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollgen.load_plan import LoadPlans
+from rollgen.load_plan import CopyRun, LoadPlans
 from rollgen.refit import pack_bucket
 
 Named = Sequence[tuple[str, torch.Tensor]]
@@ -73,9 +73,9 @@ def test_replay_loads_what_the_loaders_load() -> None:
     plans = LoadPlans(model.parameters)
     assert load(plans, model, checkpoint(0)) == "recorded"
     assert_same(model.state_dict(), loaded_by_loaders(checkpoint(0)))
-    for seed in (1, 2):
+    for seed, way in [(1, "verified"), (2, "replayed"), (3, "replayed")]:
         model.embed.data.fill_(5.0)  # the replayed fill must zero the padding again
-        assert load(plans, model, checkpoint(seed)) == "replayed"
+        assert load(plans, model, checkpoint(seed)) == way
         assert_same(model.state_dict(), loaded_by_loaders(checkpoint(seed)))
 
 
@@ -84,8 +84,7 @@ def test_another_layout_records_its_own_plan() -> None:
     plans = LoadPlans(model.parameters)
     load(plans, model, checkpoint(0))
     reordered = dict(reversed(list(checkpoint(1).items())))
-    assert load(plans, model, reordered) == "recorded"
-    assert load(plans, model, reordered) == "replayed"
+    assert [load(plans, model, reordered) for _ in range(3)] == ["recorded", "verified", "replayed"]
     assert_same(model.state_dict(), loaded_by_loaders(checkpoint(1)))
 
 
@@ -168,11 +167,11 @@ def test_replay_matches_any_slicing(layout: list[tuple[int, int, bool]]) -> None
         return [(f"w{i}", torch.randn(r, c, generator=g)) for i, (r, c, _) in enumerate(layout)]
 
     plans = LoadPlans(lambda: [param])
-    assert plans.load(pack_bucket(state(0), "shared_memory").unpack(), loader) == "recorded"
-    assert plans.load(pack_bucket(state(1), "shared_memory").unpack(), loader) == "replayed"
+    ways = [plans.load(pack_bucket(state(seed), "shared_memory").unpack(), loader) for seed in range(3)]
+    assert ways == ["recorded", "verified", "replayed"]
     replayed = param.clone()
     param.zero_()
-    loader(state(1))
+    loader(state(2))
     assert torch.equal(replayed, param)
 
 
@@ -184,13 +183,52 @@ def test_replay_of_torch_load_state_dict() -> None:
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2,
     )  # fmt: skip
-    model, *checkpoints = (Qwen2ForCausalLM(config) for _ in range(3))
+    model, *checkpoints = (Qwen2ForCausalLM(config) for _ in range(4))
     plans = LoadPlans(model.parameters)
 
     def loader(named: Named) -> None:
         model.load_state_dict(dict(named), strict=False)
 
-    for checkpoint, way in zip(checkpoints, ["recorded", "replayed"]):
+    for checkpoint, way in zip(checkpoints, ["recorded", "verified", "replayed"], strict=True):
         state = {n: t.detach() for n, t in checkpoint.state_dict().items()}
         assert plans.load(pack_bucket(state.items(), "shared_memory").unpack(), loader) == way
         assert_same(model.state_dict(), state)
+
+
+class Hidden(Model):
+    """A loader that writes where the recorder cannot see (through numpy, outside torch's
+    dispatcher), as a C extension could."""
+
+    @torch.no_grad()
+    def load_weights(self, weights: Named) -> None:
+        super().load_weights([(n, w) for n, w in weights if n != "down"])
+        w = dict(weights)["down"]
+        self.down.data.numpy()[:] = w.narrow(1, HIDDEN // 2, HIDDEN // 2).numpy()
+
+
+def test_verification_drops_a_plan_that_misses_a_write(caplog: pytest.LogCaptureFixture) -> None:
+    model = Hidden()
+    plans = LoadPlans(model.parameters)
+    assert load(plans, model, checkpoint(0)) == "recorded"  # the recorder saw nothing wrong
+    with caplog.at_level(logging.WARNING, logger="rollgen.load_plan"):
+        assert load(plans, model, checkpoint(1)) == "verified"
+    assert "a write the recorder did not see" in caplog.text
+    for seed in (1, 2):  # the loaders' result stands, and they load this layout from now on
+        assert_same(model.state_dict(), loaded_by_loaders(checkpoint(seed)))
+        assert load(plans, model, checkpoint(seed + 1)) == "loaded"
+
+
+def test_verification_drops_a_wrong_mapping(caplog: pytest.LogCaptureFixture) -> None:
+    """A plan whose copies are crossed (q's source into k's rows) fails its verification."""
+    model = Model()
+    plans = LoadPlans(model.parameters)
+    load(plans, model, checkpoint(0))
+    (plan,) = plans.plans.values()
+    assert plan is not None
+    run = next(step for step in plan.steps if isinstance(step, CopyRun))
+    run.srcs[0], run.srcs[1] = run.srcs[1], run.srcs[0]
+    with caplog.at_level(logging.WARNING, logger="rollgen.load_plan"):
+        assert load(plans, model, checkpoint(1)) == "verified"
+    assert "a copy from incoming tensor" in caplog.text
+    assert_same(model.state_dict(), loaded_by_loaders(checkpoint(1)))
+    assert load(plans, model, checkpoint(2)) == "loaded"

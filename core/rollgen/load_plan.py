@@ -12,6 +12,12 @@ tensors copied into tensors that existed before, and constant fills. A loader th
 incoming values (a cast, a transpose made contiguous, a concatenation), writes another way,
 rebinds a parameter, or writes one place twice gets no plan: that layout goes through the loaders
 every time. A replay first checks that the module's parameters are the ones recorded.
+
+A plan is trusted only once verified on new values: the second load of a layout replays the plan
+and then runs the loaders as well, and keeps the plan only if every copy's destination equals its
+source and the loaders changed no parameter (per-parameter float64 sums) after the replay. A write
+the recorder cannot see (one made outside torch's dispatcher) or a wrong mapping drops the plan,
+with a warning; the loaders' result stands either way.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
 Named = Sequence[tuple[str, torch.Tensor]]
-#: How a load went: replayed from a plan, loaded while recording one, or loaded without a plan.
-LoadWay = Literal["replayed", "recorded", "loaded"]
+#: How a load went: replayed from a plan, loaded while recording one, loaded while verifying one
+#: (replay, then the loaders), or loaded without a plan.
+LoadWay = Literal["replayed", "recorded", "verified", "loaded"]
 #: Writes a plan may hold besides copies from the incoming tensors (they take no tensor input).
 CONSTANT_WRITES = {aten.fill_.Scalar, aten.zero_.default}
 
@@ -65,6 +72,7 @@ class Plan:
     steps: list[Step]
     #: ``data_ptr`` of every parameter when recorded; a replay needs the same.
     params: tuple[int, ...]
+    verified: bool = False
 
     @torch.no_grad()
     def replay(self, incoming: Sequence[torch.Tensor]) -> None:
@@ -74,6 +82,15 @@ class Plan:
             else:
                 func, args, kwargs = step
                 func(*args, **kwargs)
+
+    def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None:
+        """The first copy whose destination differs from its source (after a load), if any."""
+        for step in self.steps:
+            if isinstance(step, CopyRun):
+                for dst, src in zip(step.dsts, step.srcs):
+                    if not torch.equal(dst, src.of(incoming)):
+                        return f"a copy from incoming tensor {src.index} into a {list(dst.shape)} slice"
+        return None
 
 
 class NoPlan(Exception):
@@ -180,7 +197,10 @@ class LoadPlans:
         plan = self.plans.get(key)
         if plan is not None and plan.params == self.fingerprint():
             plan.replay(incoming)
-            return "replayed"
+            if plan.verified:
+                return "replayed"
+            self.verify(key, plan, named, loader)
+            return "verified"
         if key in self.plans and plan is None:
             loader(named)
             return "loaded"
@@ -197,3 +217,26 @@ class LoadPlans:
             logger.info("weights of this layout load through the engine's loaders each time: %s", reason)
         self.plans[key] = None if reason is not None else Plan(recorder.steps, before)
         return "recorded"
+
+    def verify(
+        self, key: tuple[Any, ...], plan: Plan, named: Named, loader: Callable[[Named], object]
+    ) -> None:
+        """After ``plan`` was replayed: run the loaders too, and keep the plan only if they
+        changed nothing and every copy landed where they put it."""
+        replayed = self.sums()
+        loader(named)
+        problem = plan.mismatch([t for _, t in named])
+        if problem is None and not torch.equal(replayed, self.sums()):
+            problem = "the loaders changed parameters after the replay (a write the recorder did not see)"
+        if problem is not None:
+            logger.warning(
+                "dropped the load plan of this layout (%s); the engine's loaders load it each time", problem
+            )
+            self.plans[key] = None
+        plan.verified = problem is None
+
+    @torch.no_grad()
+    def sums(self) -> torch.Tensor:
+        """Each parameter's float64 sum."""
+        sums = [p.sum(dtype=torch.float64).reshape(1) for p in self.params()]
+        return torch.cat([t.to(sums[0].device) for t in sums]) if sums else torch.zeros(0)
