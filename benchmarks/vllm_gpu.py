@@ -168,8 +168,10 @@ def single(args: argparse.Namespace, model: str) -> dict[str, list]:
 
 
 def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
-    """rollgen's engine (CUDA graphs) for the refit and sleep/wake; raw vLLM's sleep/wake beside."""
-    gen = rollgen.create_generation(rollgen_config(model, False, args.util, gpus_per_bundle=GPU_SHARE))
+    """rollgen's engine (CUDA graphs) for the refit and sleep/wake; raw vLLM's sleep/wake beside.
+    ``--loaders`` runs vLLM's weight loaders on every refit instead of replaying load plans."""
+    config = rollgen_config(model, False, args.util, gpus_per_bundle=GPU_SHARE, replay_refit=not args.loaders)
+    gen = rollgen.create_generation(config)
     llm = raw_llm(model, False, args.util)
     results = refit_and_sleep(args, gen, llm)
     gen.shutdown()
@@ -234,6 +236,7 @@ def main() -> None:
     parser.add_argument("--util", type=float, default=0.25)
     parser.add_argument("--sweep", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024])
     parser.add_argument("--bucket-mib", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--loaders", action="store_true", help="refit part: no load-plan replay")
     parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the driver also runs Ray
