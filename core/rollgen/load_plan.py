@@ -130,7 +130,9 @@ class Recorder(TorchDispatchMode):
         schema = func._schema
         values = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)]
         written = [
-            v for a, v in zip(schema.arguments, values) if a.alias_info is not None and a.alias_info.is_write
+            v
+            for a, v in zip(schema.arguments, values)
+            if v is not None and a.alias_info is not None and a.alias_info.is_write
         ]
         reads_incoming = any(self.is_incoming(t) for t in tree_leaves((args, kwargs)))
         if func is aten.copy_.default and not args[0].numel():
