@@ -201,7 +201,7 @@ class LoadPlans:
             plan.replay(incoming)
             if plan.verified:
                 return "replayed"
-            self.verify(key, plan, named, loader)
+            self.verify(key, plan, named, incoming, loader)
             return "verified"
         if key in self.plans and plan is None:
             loader(named)
@@ -221,13 +221,18 @@ class LoadPlans:
         return "recorded"
 
     def verify(
-        self, key: tuple[Any, ...], plan: Plan, named: Named, loader: Callable[[Named], object]
+        self,
+        key: tuple[Any, ...],
+        plan: Plan,
+        named: Named,
+        incoming: Sequence[torch.Tensor],
+        loader: Callable[[Named], object],
     ) -> None:
         """After ``plan`` was replayed: run the loaders too, and keep the plan only if they
         changed nothing and every copy landed where they put it."""
         replayed = self.sums()
         loader(named)
-        problem = plan.mismatch([t for _, t in named])
+        problem = plan.mismatch(incoming)
         if problem is None and not torch.equal(replayed, self.sums()):
             problem = "the loaders changed parameters after the replay (a write the recorder did not see)"
         if problem is not None:

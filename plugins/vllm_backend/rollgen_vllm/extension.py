@@ -19,7 +19,7 @@ class RollgenWorkerExtension:
 
         return device_uuid(self.device) if torch.cuda.is_available() else "cpu"
 
-    def rollgen_load_bucket(self, per_rank: list[bytes], replay: bool = True) -> dict[str, Any]:
+    def rollgen_load_bucket(self, per_rank: list[bytes], replay: bool) -> dict[str, Any]:
         """Load one pickled WeightBucket of HF-named full tensors (``per_rank[rank]``); each
         rank keeps its own shard. Returns the tensor count, the seconds spent mapping the bucket
         and loading it, and how it was loaded (for profiles)."""
@@ -32,12 +32,12 @@ class RollgenWorkerExtension:
         if on_gpu:
             # the weight loaders copy into the live parameters (each rank its shard)
             model = self.model_runner.model
-            if replay:
+            if not replay:
+                model.load_weights(weights=named)
+            else:
                 if not hasattr(self, "rollgen_load_plans"):
                     self.rollgen_load_plans = LoadPlans(model.parameters)
                 way = self.rollgen_load_plans.load(named, lambda w: model.load_weights(weights=w))
-            else:
-                model.load_weights(weights=named)
             torch.cuda.synchronize()  # the sender frees the bucket once this returns
         else:
             # vLLM-CPU prepacks linear weights, which plain load_weights cannot write into; the
