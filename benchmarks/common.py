@@ -121,6 +121,38 @@ def rollgen_generate(gen: Any, batch: dict[str, torch.Tensor]) -> Callable[[], i
     return run
 
 
+class InActor:
+    """A raw engine inside a plain Ray actor: ``make()`` (run in the actor) builds it and returns
+    its generate contestant and its close function. Placed like rollgen's worker, it tells what
+    running in a Ray worker process costs apart from rollgen's own code."""
+
+    def __init__(self, make: Callable[[], tuple[Callable[[], int], Callable[[], None]]]) -> None:
+        self.run, self.close = make()
+
+    def generate(self) -> int:
+        return self.run()
+
+    def shutdown(self) -> None:
+        self.close()
+
+
+def in_actor(
+    make: Callable[[], tuple[Callable[[], int], Callable[[], None]]], gpus: float
+) -> tuple[Callable[[], int], Callable[[], None]]:
+    """Start ``InActor(make)`` with 1 CPU and ``gpus`` of a GPU; its contestant (warmed up once)
+    and a function that shuts it down."""
+    import ray
+
+    actor = ray.remote(num_cpus=1, num_gpus=gpus)(InActor).remote(make)
+    ray.get(actor.generate.remote())
+
+    def close() -> None:
+        ray.get(actor.shutdown.remote())
+        ray.kill(actor)
+
+    return lambda: ray.get(actor.generate.remote()), close
+
+
 def save_all(prefix: str, results: dict[str, list[dict[str, Any]]], out_dir: str) -> None:
     """Writes each non-empty measurement as ``<prefix>_<name>.json`` (callable after each step,
     so that a run cut off by a time limit keeps what it measured)."""

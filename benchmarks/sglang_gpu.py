@@ -1,12 +1,14 @@
 """GPU benchmarks of the sglang backend against SGLang's raw offline ``sglang.Engine`` on one GPU,
 with the workload of ``benchmarks.vllm_gpu`` (Qwen2.5-1.5B shape, dummy bf16 weights, ``--batch``
-prompts x 128 tokens -> 256, CUDA graphs): throughput (alternating, paired ratio) and rollgen's
-own-work share, refit by CUDA IPC by bucket size against a device-to-device copy, and sleep/wake.
+prompts x 128 tokens -> 256, CUDA graphs): throughput (raw, raw inside a plain Ray actor,
+rollgen; alternating, paired ratios) and rollgen's own-work share, refit by CUDA IPC by bucket
+size against a device-to-device copy, and sleep/wake.
 
     CUDA_VISIBLE_DEVICES=0 python -m benchmarks.sglang_gpu --out out/benchmarks
 
 The raw engine starts first: SGLang checks ``mem_fraction_static`` against the memory free when
-it starts, so rollgen's engine, started second, asks for the raw one's share plus its own.
+it starts, so rollgen's engine, started second, asks for the raw one's share plus its own, and
+the raw engine in a Ray actor, third, for three shares.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import logging
 import os
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ from benchmarks.common import (
     GEN,
     PROMPT,
     QWEN25_1P5B,
+    in_actor,
     print_table,
     qwen25_1p5b_dir,
     rollgen_generate,
@@ -70,13 +74,22 @@ def raw_generate(engine: Any, prompts: list[list[int]]) -> Callable[[], int]:
     return run
 
 
+def raw_in_actor(settings: dict[str, Any], prompts: list[list[int]]) -> Any:
+    """What ``InActor`` builds: raw SGLang's contestant and its close function."""
+    os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+    import sglang
+
+    engine = sglang.Engine(**settings)
+    return raw_generate(engine, prompts), engine.shutdown
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--batch", type=int, default=256, help="prompts per generate call")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--mem-fraction", type=float, default=0.3, help="each engine's share of the GPU")
+    parser.add_argument("--mem-fraction", type=float, default=0.2, help="each engine's share of the GPU")
     parser.add_argument("--bucket-mib", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args()
@@ -88,23 +101,29 @@ def main() -> None:
     import sglang
 
     model, batch = qwen25_1p5b_dir(), workload_batch(args.batch)
+    prompts = batch["input_ids"].tolist()
     engine = sglang.Engine(**engine_settings(model, args.mem_fraction))
     gen = rollgen.create_generation(rollgen_config(model, 2 * args.mem_fraction))
+    in_actor_run, close_actor = in_actor(
+        partial(raw_in_actor, engine_settings(model, 3 * args.mem_fraction), prompts), gpus=0.25
+    )
     results: dict[str, list[dict[str, Any]]] = {}
 
     def save() -> None:
         save_all("sglang_gpu", results, args.out)
 
     contestants = {
-        "raw": raw_generate(engine, batch["input_ids"].tolist()),
+        "raw": raw_generate(engine, prompts),
+        "raw_in_actor": in_actor_run,
         "rollgen": rollgen_generate(gen, batch),
     }
     row = throughput.measure("graphs", contestants, args.repeats)
+    close_actor()
     results["throughput"] = [row]
     results["own_work"] = [
         {"mode": "graphs", **throughput.own_work_share(args.batch, PROMPT, GEN, row["rollgen_s"])}
     ]
-    print_table([row], ["mode", "raw_tok_s", "rollgen_tok_s", "rollgen_ratio"])
+    print_table([row], ["mode", "raw_tok_s", "raw_in_actor_ratio", "rollgen_tok_s", "rollgen_ratio"])
     save()
 
     device = torch.device("cuda", 0)

@@ -30,6 +30,7 @@ from benchmarks.common import (
     GEN,
     PROMPT,
     QWEN25_1P5B,
+    in_actor,
     print_table,
     qwen25_1p5b_dir,
     rollgen_generate,
@@ -76,34 +77,10 @@ def raw_llm(model: str, eager: bool, util: float) -> Any:
     )
 
 
-class RawInActor:
-    """Raw ``vllm.LLM`` inside a plain Ray actor placed as rollgen's worker is (same CPU and GPU
-    share): tells what running in a Ray worker process costs apart from rollgen's own code."""
-
-    def __init__(self, model: str, eager: bool, util: float, prompts: list[dict[str, list[int]]]) -> None:
-        self.llm = raw_llm(model, eager, util)
-        self.run = raw_generate(self.llm, prompts)
-
-    def generate(self) -> int:
-        return self.run()
-
-    def shutdown(self) -> None:
-        close_raw(self.llm)
-
-
 def raw_in_actor(model: str, eager: bool, util: float, prompts: list[dict[str, list[int]]]) -> Any:
-    import ray
-
-    cls = ray.remote(num_cpus=1, num_gpus=GPU_SHARE)(RawInActor)
-    actor = cls.remote(model, eager, util, prompts)
-    ray.get(actor.generate.remote())  # started (and warmed up once)
-    return actor
-
-
-def actor_generate(actor: Any) -> int:
-    import ray
-
-    return ray.get(actor.generate.remote())
+    """What ``InActor`` builds: raw vLLM's contestant and its close function."""
+    llm = raw_llm(model, eager, util)
+    return raw_generate(llm, prompts), partial(close_raw, llm)
 
 
 def raw_prompts(batch: dict[str, torch.Tensor]) -> list[dict[str, list[int]]]:
@@ -139,8 +116,6 @@ def engine_device(gen: Any) -> torch.device:
 
 
 def single(args: argparse.Namespace, model: str) -> dict[str, list]:
-    import ray
-
     batch = workload_batch(args.batch)
     results: dict[str, list] = {"throughput": [], "own_work": []}
     prompts = raw_prompts(batch)
@@ -148,10 +123,12 @@ def single(args: argparse.Namespace, model: str) -> dict[str, list]:
         eager = mode == "eager"
         gen = rollgen.create_generation(rollgen_config(model, eager, args.util, gpus_per_bundle=GPU_SHARE))
         llm = raw_llm(model, eager, args.util)
-        actor = raw_in_actor(model, eager, args.util, prompts)
+        in_actor_run, close_actor = in_actor(
+            partial(raw_in_actor, model, eager, args.util, prompts), GPU_SHARE
+        )
         contestants = {
             "raw": raw_generate(llm, prompts),
-            "raw_in_actor": partial(actor_generate, actor),
+            "raw_in_actor": in_actor_run,
             "rollgen": rollgen_generate(gen, batch),
         }
         row = throughput.measure(mode, contestants, args.repeats)
@@ -159,8 +136,7 @@ def single(args: argparse.Namespace, model: str) -> dict[str, list]:
         print_table([row], ["mode", "raw_tok_s", "raw_in_actor_ratio", "rollgen_tok_s", "rollgen_ratio"])
         share = throughput.own_work_share(args.batch, PROMPT, GEN, row["rollgen_s"])
         results["own_work"].append({"mode": mode, **share})
-        ray.get(actor.shutdown.remote())
-        ray.kill(actor)
+        close_actor()
         gen.shutdown()
         close_raw(llm)
         save(args, results)  # after each mode: a run cut off by a time limit keeps what it measured
@@ -215,14 +191,22 @@ def sweep(args: argparse.Namespace, model: str) -> dict[str, list]:
 
 
 def scaling_part(args: argparse.Namespace, model: str) -> dict[str, list]:
+    """DP=1, DP=2 and TP=2 one after another on two GPUs, in each of ``--modes``."""
     batch = workload_batch(args.batch)
     layouts = {"dp1": {}, "dp2": {"data_parallel_size": 2}, "tp2": {"tensor_parallel_size": 2}}
-    rows = []
-    for name, extra in layouts.items():
-        with rollgen.create_generation(rollgen_config(model, True, args.util, **extra)) as gen:
-            rows.append(scaling.measure(name, rollgen_generate(gen, batch), args.repeats))
-        print_table(rows[-1:], ["layout", "tok_s", "tok_s_min", "tok_s_max"])
-    return {"scaling": scaling.relative_to_first(rows)}
+    done: list[dict[str, Any]] = []
+    for mode in args.modes:
+        rows = []
+        for name, extra in layouts.items():
+            config = rollgen_config(model, mode == "eager", args.util, **extra)
+            with rollgen.create_generation(config) as gen:
+                rows.append(
+                    {"mode": mode, **scaling.measure(name, rollgen_generate(gen, batch), args.repeats)}
+                )
+            print_table(rows[-1:], ["mode", "layout", "tok_s", "tok_s_min", "tok_s_max"])
+            save(args, {"scaling": done + scaling.relative_to_first(rows)})  # kept if a limit cuts the run
+        done += scaling.relative_to_first(rows)
+    return {"scaling": done}
 
 
 def main() -> None:

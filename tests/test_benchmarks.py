@@ -92,3 +92,24 @@ def test_plots_draw_from_result_files(tmp_path) -> None:  # type: ignore[no-unty
     for name, draw in plot.PLOTS.items():
         png = draw(tmp_path / "results", tmp_path)
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_in_actor_runs_the_contestant_in_a_ray_actor() -> None:
+    """The raw-engine-in-an-actor contestant of the GPU benchmarks, with a counter for engine
+    (defined here so that it travels by value)."""
+
+    def make() -> tuple:
+        calls: list[int] = []
+
+        def run() -> int:
+            calls.append(1)
+            return len(calls)
+
+        return run, calls.clear
+
+    run, close = common.in_actor(make, gpus=0)
+    try:
+        assert run() == 2  # the warm-up call was the first
+        assert run() == 3
+    finally:
+        close()

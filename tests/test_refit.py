@@ -116,3 +116,22 @@ def test_buckets_never_split_a_module_group() -> None:
     sd["model.norm.weight"] = torch.zeros(256)
     buckets = list(iter_buckets(sd, "tensors", bucket_bytes=1500))
     assert [len(b.metas) for b in buckets] == [4, 1]
+
+
+def test_refit_resets_the_prefix_cache_only_after_a_generate(hf_config: dict, monkeypatch) -> None:
+    """Prefixes are cached only by generate calls, and a sleep resets them; a refit's reset (an
+    engine round trip, O(KV blocks) in vLLM) is due only when a generate ran since the last one."""
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
+    with rollgen.create_generation(hf_config) as engine:
+        resets = []
+        monkeypatch.setattr(engine, "_reset_prefix_cache", lambda: resets.append(1))
+        weights = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in engine.weight_spec.items()}
+        engine.refit(weights)
+        assert resets == []
+        engine.generate(batch)
+        engine.refit(weights)
+        engine.update_weights(iter_buckets(weights, "tensors"))
+        assert resets == [1]
+        engine.generate(batch)
+        engine.update_weights(iter_buckets(weights, "tensors"))
+        assert resets == [1, 1]

@@ -88,6 +88,9 @@ class BaseGeneration(GenerationInterface):
         self.model_info = ModelInfo.from_dir(self.cfg["model_name"])
         self.max_model_len = int(self.cfg.get("max_model_len") or self.model_info.max_position_embeddings)
         self._awake = set(WAKE_TAGS)
+        #: Whether the engine may hold cached prefixes: a generate ran since the last reset (a
+        #: sleep resets too). A refit resets the prefix cache only then.
+        self._prefixes_cached = False
         self._closed = False
         self._tokenizer: Any = None
         self._weight_spec: WeightSpec | None = None
@@ -146,6 +149,7 @@ class BaseGeneration(GenerationInterface):
             return empty_output(width)
         if "seed" not in batch and self._seed_rng is not None and not greedy:
             batch["seed"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_rng)
+        self._prefixes_cached = True  # before the call: a failed generate may have cached some
         return self._generate(batch, greedy)
 
     def sample_params(self, batch: Mapping[str, Any], greedy: bool) -> list[SampleParams]:
@@ -213,6 +217,7 @@ class BaseGeneration(GenerationInterface):
         if self._awake:
             self._sleep()
             self._awake.clear()
+            self._prefixes_cached = False
 
     def _wake(self, tags: list[str]) -> None:
         """Bring ``tags`` back onto the device."""
@@ -255,7 +260,7 @@ class BaseGeneration(GenerationInterface):
         self.check_weights(m for b in items for m in b.metas)
         for b in items:
             self._apply_bucket(b)
-        self._reset_prefix_cache()
+        self._invalidate_prefixes()
 
     def refit(
         self,
@@ -276,15 +281,23 @@ class BaseGeneration(GenerationInterface):
         ):
             self._apply_bucket(bucket)
             del bucket  # freed before the next one is packed: one bucket beyond the model at most
-        self._reset_prefix_cache()
+        self._invalidate_prefixes()
 
     @abstractmethod
     def _apply_bucket(self, bucket: WeightBucket) -> Any:
         """Load one validated bucket into the engine; returns what the engine reports of it, if
         anything (profiles read it)."""
 
+    def _invalidate_prefixes(self) -> None:
+        """After new weights: reset the prefix cache if a generate may have filled it since the
+        last reset (in the colocated loop, generate → sleep → refit → wake, the sleep did)."""
+        if self._prefixes_cached:
+            self._reset_prefix_cache()
+            self._prefixes_cached = False
+
     def _reset_prefix_cache(self) -> None:
-        """Invalidate cached prefixes (after a refit, before sleep)."""
+        """Invalidate cached prefixes (after a refit that follows a generate; ``_sleep`` resets
+        them itself)."""
 
     # ---- shutdown -----------------------------------------------------------------------------
     def shutdown(self) -> None:
