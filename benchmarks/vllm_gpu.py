@@ -190,10 +190,18 @@ def sweep(args: argparse.Namespace, model: str) -> dict[str, list]:
     return results
 
 
+#: The scaling part's layouts (the first one run is the baseline).
+LAYOUTS: dict[str, dict[str, int]] = {
+    "dp1": {},
+    "dp2": {"data_parallel_size": 2},
+    "tp2": {"tensor_parallel_size": 2},
+}
+
+
 def scaling_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     """DP=1, DP=2 and TP=2 one after another on two GPUs, in each of ``--modes``."""
     batch = workload_batch(args.batch)
-    layouts = {"dp1": {}, "dp2": {"data_parallel_size": 2}, "tp2": {"tensor_parallel_size": 2}}
+    layouts = {k: v for k, v in LAYOUTS.items() if k in args.layouts}
     done: list[dict[str, Any]] = []
     for mode in args.modes:
         rows = []
@@ -220,6 +228,7 @@ def main() -> None:
     parser.add_argument("--util", type=float, default=0.25)
     parser.add_argument("--sweep", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024])
     parser.add_argument("--bucket-mib", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--loaders", action="store_true", help="refit part: no load-plan replay")
     parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args()

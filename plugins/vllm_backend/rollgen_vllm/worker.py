@@ -65,6 +65,11 @@ class VllmWorker:
         }
         if use_gpus:
             kwargs["gpu_memory_utilization"] = vcfg["gpu_memory_utilization"]
+        if use_gpus and tp > 1:
+            # on Hopper, compiled TP engines fuse all-reduce with RMSNorm through FlashInfer's
+            # NVLink-multicast ("mnnvl") all-reduce; with multicast off (as the lent H200s need)
+            # the engine hung and died at start (docs/gpu-results.md, session 6)
+            kwargs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
         if vcfg["kv_cache_memory_bytes"]:
             kwargs["kv_cache_memory_bytes"] = vcfg["kv_cache_memory_bytes"]
         kwargs.update(cfg.get("vllm_kwargs") or {})
