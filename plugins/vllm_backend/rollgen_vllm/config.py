@@ -19,8 +19,7 @@ class VllmCfg(RayEngineCfg):
     #: Run the engine core inside the actor process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
     in_process: NotRequired[bool]
     #: On GPU, load a refit of a layout seen before by replaying the copies vLLM's weight loaders
-    #: made the first time, once verified (``rollgen.load_plan``). Opt-in: its values have not yet
-    #: been checked by the suite on a GPU (docs/gpu-results.md).
+    #: made the first time, once verified (``rollgen.load_plan``); false: the loaders every time.
     replay_refit: NotRequired[bool]
 
 
@@ -31,7 +30,7 @@ VLLM_CFG_DEFAULTS: dict[str, Any] = {
     "enforce_eager": True,
     "load_format": "auto",
     "in_process": False,
-    "replay_refit": False,
+    "replay_refit": True,
 }
 
 
