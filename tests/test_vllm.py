@@ -105,3 +105,31 @@ def test_fractional_gpu_bundles_refused_for_tensor_parallel(vllm_config: dict) -
     }
     with pytest.raises(ConfigError, match="whole GPU per rank"):
         rollgen.create_generation(cfg)
+
+
+def test_engine_arguments_turn_off_the_multicast_fusion_for_tp_on_gpu() -> None:
+    """A compiled TP engine on Hopper fused all-reduce + RMSNorm through FlashInfer's NVLink
+    multicast all-reduce and hung at start with multicast off (GPU session 6): off for TP > 1 on
+    GPU, untouched otherwise, and ``vllm_kwargs`` still has the last word."""
+    from rollgen.distributed.generation import RAY_ENGINE_DEFAULTS
+    from rollgen_vllm.config import VLLM_CFG_DEFAULTS
+    from rollgen_vllm.worker import engine_kwargs
+
+    def cfg(tp: int, **vllm_kwargs: object) -> dict:
+        vcfg = {**RAY_ENGINE_DEFAULTS, **VLLM_CFG_DEFAULTS, "tensor_parallel_size": tp}
+        return {
+            "model_name": "m",
+            "_engine_dtype": "bfloat16",
+            "_max_model_len": 64,
+            "seed": None,
+            "logprobs_mode": "raw",
+            "vllm_cfg": vcfg,
+            "vllm_kwargs": vllm_kwargs,
+        }
+
+    off = {"pass_config": {"fuse_allreduce_rms": False}}
+    assert engine_kwargs(cfg(2), use_gpus=True, executor="ray")["compilation_config"] == off
+    assert "compilation_config" not in engine_kwargs(cfg(1), use_gpus=True, executor=None)
+    assert "compilation_config" not in engine_kwargs(cfg(2), use_gpus=False, executor="mp")
+    mine = {"mode": 0}
+    assert engine_kwargs(cfg(2, compilation_config=mine), True, "ray")["compilation_config"] == mine

@@ -16,6 +16,38 @@ from rollgen.output import assemble_from_lists
 logger = logging.getLogger(__name__)
 
 
+def engine_kwargs(cfg: dict[str, Any], use_gpus: bool, executor: str | None) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for a resolved config (``vllm_kwargs`` last, overriding)."""
+    vcfg = cfg["vllm_cfg"]
+    tp = vcfg["tensor_parallel_size"]
+    kwargs: dict[str, Any] = {
+        "model": cfg["model_name"],
+        "dtype": cfg["_engine_dtype"],
+        "tensor_parallel_size": tp,
+        "distributed_executor_backend": executor,
+        "enforce_eager": vcfg["enforce_eager"],
+        "max_model_len": cfg["_max_model_len"],
+        "worker_extension_cls": "rollgen_vllm.extension.RollgenWorkerExtension",
+        "enable_sleep_mode": bool(vcfg["enable_sleep_mode"]),
+        "load_format": vcfg["load_format"],
+        "seed": 0 if cfg["seed"] is None else int(cfg["seed"]),
+        "generation_config": "vllm",
+        "disable_log_stats": True,
+        "logprobs_mode": "processed_logprobs" if cfg["logprobs_mode"] == "processed" else "raw_logprobs",
+    }
+    if use_gpus:
+        kwargs["gpu_memory_utilization"] = vcfg["gpu_memory_utilization"]
+    if use_gpus and tp > 1:
+        # on Hopper, compiled TP engines fuse all-reduce with RMSNorm through FlashInfer's
+        # NVLink-multicast ("mnnvl") all-reduce; with multicast off (as the lent H200s need)
+        # the engine hung and died at start (docs/gpu-results.md, session 6)
+        kwargs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
+    if vcfg["kv_cache_memory_bytes"]:
+        kwargs["kv_cache_memory_bytes"] = vcfg["kv_cache_memory_bytes"]
+    kwargs.update(cfg.get("vllm_kwargs") or {})
+    return kwargs
+
+
 class VllmWorker:
     """Owns ``vllm.LLM``. TP > 1 on GPU: vLLM's Ray executor over the group's bundles; on CPU
     (no Ray executor there): vLLM's ``mp`` executor inside this actor."""
@@ -48,32 +80,7 @@ class VllmWorker:
         import vllm
 
         self.sleep_enabled = bool(vcfg["enable_sleep_mode"])
-        kwargs: dict[str, Any] = {
-            "model": cfg["model_name"],
-            "dtype": cfg["_engine_dtype"],
-            "tensor_parallel_size": tp,
-            "distributed_executor_backend": executor,
-            "enforce_eager": vcfg["enforce_eager"],
-            "max_model_len": cfg["_max_model_len"],
-            "worker_extension_cls": "rollgen_vllm.extension.RollgenWorkerExtension",
-            "enable_sleep_mode": self.sleep_enabled,
-            "load_format": vcfg["load_format"],
-            "seed": 0 if cfg["seed"] is None else int(cfg["seed"]),
-            "generation_config": "vllm",
-            "disable_log_stats": True,
-            "logprobs_mode": "processed_logprobs" if cfg["logprobs_mode"] == "processed" else "raw_logprobs",
-        }
-        if use_gpus:
-            kwargs["gpu_memory_utilization"] = vcfg["gpu_memory_utilization"]
-        if use_gpus and tp > 1:
-            # on Hopper, compiled TP engines fuse all-reduce with RMSNorm through FlashInfer's
-            # NVLink-multicast ("mnnvl") all-reduce; with multicast off (as the lent H200s need)
-            # the engine hung and died at start (docs/gpu-results.md, session 6)
-            kwargs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
-        if vcfg["kv_cache_memory_bytes"]:
-            kwargs["kv_cache_memory_bytes"] = vcfg["kv_cache_memory_bytes"]
-        kwargs.update(cfg.get("vllm_kwargs") or {})
-        self.llm = vllm.LLM(**kwargs)
+        self.llm = vllm.LLM(**engine_kwargs(cfg, use_gpus, executor))
         self.SamplingParams = vllm.SamplingParams
         fields = getattr(vllm.SamplingParams, "__struct_fields__", ())
         self.flat_logprobs = "flat_logprobs" in fields
