@@ -135,3 +135,9 @@ def test_refit_resets_the_prefix_cache_only_after_a_generate(hf_config: dict, mo
         engine.generate(batch)
         engine.update_weights(iter_buckets(weights, "tensors"))
         assert resets == [1, 1]
+        engine.generate(batch)
+        engine.finish_generation()  # the colocated loop: the sleep resets the cache itself
+        engine.prepare_for_generation(["weights"])
+        engine.refit(weights)
+        engine.prepare_for_generation(["kv_cache"])
+        assert resets == [1, 1]
