@@ -149,13 +149,6 @@ def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     config = rollgen_config(model, False, args.util, gpus_per_bundle=GPU_SHARE, replay_refit=not args.loaders)
     gen = rollgen.create_generation(config)
     llm = raw_llm(model, False, args.util)
-    results = refit_and_sleep(args, gen, llm)
-    gen.shutdown()
-    close_raw(llm)
-    return results
-
-
-def refit_and_sleep(args: argparse.Namespace, gen: Any, llm: Any) -> dict[str, list]:
     device = engine_device(gen)
     state = refit.random_state(gen.weight_spec, device, tied=QWEN25_1P5B["tie_word_embeddings"])
     refits = refit.measure(gen, state, args.bucket_mib, args.repeats)
@@ -169,6 +162,8 @@ def refit_and_sleep(args: argparse.Namespace, gen: Any, llm: Any) -> dict[str, l
         sleep_wake.measure("raw", partial(llm.sleep, level=1), [llm.wake_up], device.index, args.repeats),
     ]
     print_table(sleeps, sleep_wake.COLUMNS)
+    gen.shutdown()
+    close_raw(llm)
     return {"by_bucket": refits, "profile": profiles, "sleep_wake": sleeps}
 
 
@@ -190,7 +185,7 @@ def sweep(args: argparse.Namespace, model: str) -> dict[str, list]:
     return results
 
 
-#: The scaling part's layouts (the first one run is the baseline).
+#: The scaling part's layouts, in the order they run (the first one run is the baseline).
 LAYOUTS: dict[str, dict[str, int]] = {
     "dp1": {},
     "dp2": {"data_parallel_size": 2},
@@ -199,22 +194,22 @@ LAYOUTS: dict[str, dict[str, int]] = {
 
 
 def scaling_part(args: argparse.Namespace, model: str) -> dict[str, list]:
-    """DP=1, DP=2 and TP=2 one after another on two GPUs, in each of ``--modes``."""
+    """The ``--layouts`` one after another on two GPUs, in each of ``--modes``; each against the
+    mode's first layout."""
     batch = workload_batch(args.batch)
-    layouts = {k: v for k, v in LAYOUTS.items() if k in args.layouts}
-    done: list[dict[str, Any]] = []
+    results: dict[str, list] = {"scaling": []}
     for mode in args.modes:
-        rows = []
-        for name, extra in layouts.items():
-            config = rollgen_config(model, mode == "eager", args.util, **extra)
+        done, rows = results["scaling"], []
+        for name in [n for n in LAYOUTS if n in args.layouts]:
+            config = rollgen_config(model, mode == "eager", args.util, **LAYOUTS[name])
             with rollgen.create_generation(config) as gen:
                 rows.append(
                     {"mode": mode, **scaling.measure(name, rollgen_generate(gen, batch), args.repeats)}
                 )
             print_table(rows[-1:], ["mode", "layout", "tok_s", "tok_s_min", "tok_s_max"])
-            save(args, {"scaling": done + scaling.relative_to_first(rows)})  # kept if a limit cuts the run
-        done += scaling.relative_to_first(rows)
-    return {"scaling": done}
+            results = {"scaling": done + scaling.relative_to_first(rows)}
+            save(args, results)  # after each layout: a run cut off by a time limit keeps it
+    return results
 
 
 def main() -> None:

@@ -58,8 +58,8 @@ def test_flat_buffer_round_trips_any_dtypes_and_shapes(
     tensors = [torch.randn(s).to(d) for s, d in zip(shapes, dtypes)]
     offsets = flat_offsets(tensors)
     assert all(o % FLAT_ALIGN == 0 for o in offsets)
-    buf = flatten(tensors, offsets, torch.device("cpu"))
     metas = tuple(TensorMeta.of(str(i), t) for i, t in enumerate(tensors))
+    buf = flatten(tensors, metas, offsets, torch.device("cpu"))
     back = unflatten(buf, metas, offsets)
     assert all(b.dtype == t.dtype and torch.equal(b, t) for b, t in zip(back, tensors))
 

@@ -172,10 +172,10 @@ def pack_bucket(
     offsets = flat_offsets(tensors)
     if transport == "shared_memory":
         torch.multiprocessing.set_sharing_strategy("file_system")
-        buf = flatten(tensors, offsets, torch.device("cpu")).share_memory_()
+        buf = flatten(tensors, metas, offsets, torch.device("cpu")).share_memory_()
         return WeightBucket(transport, metas, None, offsets, _keepalive=[buf])
     if transport == "cuda_ipc":
-        payload, keep = _ipc_handles(tensors, offsets)
+        payload, keep = _ipc_handles(tensors, metas, offsets)
         return WeightBucket(transport, metas, payload, offsets, _keepalive=keep)
     raise RefitError(f"unknown refit transport {transport!r}; use tensors, shared_memory or cuda_ipc")
 
@@ -190,11 +190,13 @@ def flat_offsets(tensors: list[torch.Tensor]) -> tuple[int, ...]:
     return (*offsets, end)
 
 
-def flatten(tensors: list[torch.Tensor], offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """One uint8 buffer on ``device`` holding the bytes of ``tensors`` at ``offsets`` (one fused
-    copy when the tensors are on ``device`` already)."""
+def flatten(
+    tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], offsets: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """One uint8 buffer on ``device`` holding the bytes of ``tensors`` (described by ``metas``)
+    at ``offsets`` (one fused copy when the tensors are on ``device`` already)."""
     buf = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
-    views = unflatten(buf, tuple(TensorMeta.of("", t) for t in tensors), offsets)
+    views = unflatten(buf, metas, offsets)
     if all(t.device == buf.device for t in tensors):
         torch._foreach_copy_(views, tensors)
     else:
@@ -223,7 +225,7 @@ def device_uuid(device: torch.device | int | None = None) -> str:
 
 
 def _ipc_handles(
-    tensors: list[torch.Tensor], offsets: tuple[int, ...]
+    tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], offsets: tuple[int, ...]
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """One flat buffer and its IPC handle for every target GPU: the tensors' own GPU, or (for CPU
     tensors) every visible GPU, so each tensor-parallel rank finds its device's handle by UUID."""
@@ -244,7 +246,7 @@ def _ipc_handles(
     payload: dict[str, Any] = {}
     keep: list[torch.Tensor] = []
     for device in targets:
-        buf = flatten(tensors, offsets, device)
+        buf = flatten(tensors, metas, offsets, device)
         payload[device_uuid(device)] = reduce_tensor(buf)
         keep.append(buf)
     return payload, keep
