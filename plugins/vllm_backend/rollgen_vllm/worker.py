@@ -12,6 +12,7 @@ from rollgen.data import BatchedDataDict
 from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.errors import RollgenError
 from rollgen.output import assemble_from_lists
+from rollgen.sampling import SampleParams
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,31 @@ def engine_kwargs(cfg: dict[str, Any], use_gpus: bool, executor: str | None) -> 
     return kwargs
 
 
+def sampling_params(samples: list[SampleParams], flat_logprobs: bool) -> list[Any]:
+    """One ``vllm.SamplingParams`` per sample, asking for the sampled token's logprob (in vLLM's
+    flat layout where this vLLM has it)."""
+    import vllm
+
+    extra = {"flat_logprobs": True} if flat_logprobs else {}
+    top_k_off = vllm.SamplingParams().top_k
+    return [
+        vllm.SamplingParams(
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k if p.top_k > 0 else top_k_off,
+            max_tokens=p.max_new_tokens,
+            stop=list(p.stop_strings) or None,
+            stop_token_ids=list(p.stop_token_ids) or None,
+            include_stop_str_in_output=True,
+            detokenize=bool(p.stop_strings),
+            logprobs=0,
+            seed=p.seed,
+            **extra,
+        )
+        for p in samples
+    ]
+
+
 class VllmWorker:
     """Owns ``vllm.LLM``. TP > 1 on GPU: vLLM's Ray executor over the group's bundles; on CPU
     (no Ray executor there): vLLM's ``mp`` executor inside this actor."""
@@ -81,10 +107,8 @@ class VllmWorker:
 
         self.sleep_enabled = bool(vcfg["enable_sleep_mode"])
         self.llm = vllm.LLM(**engine_kwargs(cfg, use_gpus, executor))
-        self.SamplingParams = vllm.SamplingParams
         fields = getattr(vllm.SamplingParams, "__struct_fields__", ())
         self.flat_logprobs = "flat_logprobs" in fields
-        self.top_k_off = vllm.SamplingParams().top_k
 
     def ready(self) -> dict[str, Any]:
         import vllm
@@ -95,23 +119,7 @@ class VllmWorker:
         """Generate for one data-parallel shard; output in the contract's layout."""
         ids, lengths = shard["input_ids"], shard["input_lengths"]
         prompts = [{"prompt_token_ids": row[:n].tolist()} for row, n in zip(ids, lengths.tolist())]
-        extra = {"flat_logprobs": True} if self.flat_logprobs else {}
-        params = [
-            self.SamplingParams(
-                temperature=p.temperature,
-                top_p=p.top_p,
-                top_k=p.top_k if p.top_k > 0 else self.top_k_off,
-                max_tokens=p.max_new_tokens,
-                stop=list(p.stop_strings) or None,
-                stop_token_ids=list(p.stop_token_ids) or None,
-                include_stop_str_in_output=True,
-                detokenize=bool(p.stop_strings),
-                logprobs=0,
-                seed=p.seed,
-                **extra,
-            )
-            for p in shard["_params"]
-        ]
+        params = sampling_params(shard["_params"], self.flat_logprobs)
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         logprobs = [self._logprobs(o.outputs[0]) for o in outputs]
