@@ -129,6 +129,9 @@ class InActor:
     def __init__(self, make: Callable[[], tuple[Callable[[], int], Callable[[], None]]]) -> None:
         self.run, self.close = make()
 
+    def ready(self) -> None:
+        """Returns once ``make()`` has run (the engine is up)."""
+
     def generate(self) -> int:
         return self.run()
 
@@ -139,12 +142,13 @@ class InActor:
 def in_actor(
     make: Callable[[], tuple[Callable[[], int], Callable[[], None]]], gpus: float
 ) -> tuple[Callable[[], int], Callable[[], None]]:
-    """Start ``InActor(make)`` with 1 CPU and ``gpus`` of a GPU; its contestant (warmed up once)
-    and a function that shuts it down."""
+    """Start ``InActor(make)`` with 1 CPU and ``gpus`` of a GPU and wait until its engine is up
+    (engines sharing a GPU start one at a time); its contestant and a function that shuts it
+    down. The contestant's first call is the warm-up, as for every contestant of ``measure``."""
     import ray
 
     actor = ray.remote(num_cpus=1, num_gpus=gpus)(InActor).remote(make)
-    ray.get(actor.generate.remote())
+    ray.get(actor.ready.remote())
 
     def close() -> None:
         ray.get(actor.shutdown.remote())

@@ -10,6 +10,8 @@ to spend less device time on start-ups.
     python -m benchmarks.vllm_gpu --part scaling   # two GPUs: DP=2 and TP=2 against DP=1
     python -m benchmarks.vllm_gpu --part sweep     # one GPU: throughput by batch size (--sweep),
                                                     # raw vLLM and rollgen, CUDA graphs
+    python -m benchmarks.vllm_gpu --part ablation  # one GPU: raw vLLM given rollgen's engine
+                                                    # arguments / SamplingParams, beside rollgen
 """
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ from benchmarks.common import (
     workload_batch,
 )
 from rollgen.refit import device_uuid
+from rollgen.sampling import SampleParams
+from rollgen_vllm.worker import engine_kwargs, sampling_params
 
 #: Ray GPU share of one engine in the single-GPU part (rollgen's and the raw actor fit on one GPU).
 GPU_SHARE = 0.5
+#: Ray GPU share of each engine in the ablation part (up to ten on one GPU).
+ABLATION_SHARE = 0.1
 
 
 def rollgen_config(model: str, eager: bool, util: float, **vllm_cfg: Any) -> dict[str, Any]:
@@ -60,21 +66,26 @@ def rollgen_config(model: str, eager: bool, util: float, **vllm_cfg: Any) -> dic
     }
 
 
+def raw_kwargs(model: str, eager: bool, util: float) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments with the settings rollgen's engine gets (sleep mode on, as
+    rollgen's default)."""
+    return {
+        "model": model,
+        "dtype": "bfloat16",
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "enforce_eager": eager,
+        "gpu_memory_utilization": util,
+        "enable_sleep_mode": True,
+        "max_model_len": QWEN25_1P5B["max_position_embeddings"],
+        "disable_log_stats": True,
+    }
+
+
 def raw_llm(model: str, eager: bool, util: float) -> Any:
-    """``vllm.LLM`` with the settings rollgen's engine gets (sleep mode on, as rollgen's default)."""
     import vllm
 
-    return vllm.LLM(
-        model=model,
-        dtype="bfloat16",
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=eager,
-        gpu_memory_utilization=util,
-        enable_sleep_mode=True,
-        max_model_len=QWEN25_1P5B["max_position_embeddings"],
-        disable_log_stats=True,
-    )
+    return vllm.LLM(**raw_kwargs(model, eager, util))
 
 
 def raw_in_actor(model: str, eager: bool, util: float, prompts: list[dict[str, list[int]]]) -> Any:
@@ -88,16 +99,35 @@ def raw_prompts(batch: dict[str, torch.Tensor]) -> list[dict[str, list[int]]]:
     return [{"prompt_token_ids": row.tolist()} for row in batch["input_ids"]]
 
 
-def raw_generate(llm: Any, prompts: list[dict[str, list[int]]]) -> Callable[[], int]:
+def raw_generate(llm: Any, prompts: list[dict[str, list[int]]], params: Any = None) -> Callable[[], int]:
+    """A contestant: ``llm.generate`` on ``prompts`` with ``params`` (default: one shared
+    ``SamplingParams``, temperature 1, the sampled token's logprob)."""
     import vllm
 
-    params = vllm.SamplingParams(temperature=1.0, max_tokens=GEN, logprobs=0)
+    if params is None:
+        params = vllm.SamplingParams(temperature=1.0, max_tokens=GEN, logprobs=0)
 
     def run() -> int:
         outs = llm.generate(prompts, params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     return run
+
+
+def ablation_engine(
+    kwargs: dict[str, Any], prompts: list[dict[str, list[int]]], samples: list[SampleParams] | None
+) -> tuple[Callable[[], int], Callable[[], None]]:
+    """What ``InActor`` builds for the ablation: ``vllm.LLM(**kwargs)``, generating with one
+    shared ``SamplingParams`` (``samples`` None) or with rollgen's per-sample ones."""
+    import vllm
+
+    llm = vllm.LLM(**kwargs)
+    params = None
+    if samples is not None:
+        params = sampling_params(
+            samples, "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ())
+        )
+    return raw_generate(llm, prompts, params), partial(close_raw, llm)
 
 
 def close_raw(llm: Any) -> None:
@@ -185,6 +215,61 @@ def sweep(args: argparse.Namespace, model: str) -> dict[str, list]:
     return results
 
 
+def ablation_variants(
+    raw: dict[str, Any], ours: dict[str, Any], defaults: dict[str, Any], each_arg: bool
+) -> tuple[dict[str, tuple[dict[str, Any], bool]], dict[str, Any]]:
+    """The ablation's raw-engine contestants (name -> engine arguments, whether it uses rollgen's
+    per-sample SamplingParams) and the engine arguments where rollgen's (``ours``) differ from
+    the raw engine's (``raw``, else vLLM's ``defaults``)."""
+    differing = {k: v for k, v in ours.items() if raw.get(k, defaults.get(k)) != v}
+    variants = {"raw_in_actor": (raw, False)}
+    if each_arg:
+        variants.update({f"arg_{k}": ({**raw, k: v}, False) for k, v in differing.items()})
+    else:
+        variants.update({"engine_args": (ours, False), "sample_params": (raw, True), "both": (ours, True)})
+    return variants, differing
+
+
+def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
+    """Where a throughput gap between rollgen and raw vLLM comes from: raw vLLM in plain Ray
+    actors on one GPU given rollgen's engine arguments and/or its per-sample SamplingParams
+    (``--each-arg``: each engine argument that differs, one at a time), beside rollgen itself;
+    alternating, each against raw vLLM in an actor. With ``--util 0.1``: up to ten engines fit;
+    they start one after another (about a minute each on the H200 host)."""
+    import dataclasses
+
+    import vllm
+
+    batch = workload_batch(args.batch)
+    prompts = raw_prompts(batch)
+    defaults = {f.name: f.default for f in dataclasses.fields(vllm.EngineArgs)}
+    results: dict[str, list] = {"ablation": []}
+    for mode in args.modes:
+        eager = mode == "eager"
+        gen = rollgen.create_generation(
+            rollgen_config(model, eager, args.util, gpus_per_bundle=ABLATION_SHARE)
+        )
+        raw, ours = raw_kwargs(model, eager, args.util), engine_kwargs(gen.cfg, True, None)
+        variants, differing = ablation_variants(raw, ours, defaults, args.each_arg)
+        samples = gen.sample_params(batch, greedy=False)
+        started = {
+            name: in_actor(
+                partial(ablation_engine, kwargs, prompts, samples if per_sample else None), ABLATION_SHARE
+            )
+            for name, (kwargs, per_sample) in variants.items()
+        }
+        contestants = {name: run for name, (run, _) in started.items()}
+        contestants["rollgen"] = rollgen_generate(gen, batch)
+        row = {**throughput.measure(mode, contestants, args.repeats), "differing_args": differing}
+        results["ablation"].append(row)
+        print_table([row], ["mode"] + [f"{k}_ratio" for k in list(contestants)[1:]])
+        for _, close in started.values():
+            close()
+        gen.shutdown()
+        save(args, results)
+    return results
+
+
 #: The scaling part's layouts, in the order they run (the first one run is the baseline).
 LAYOUTS: dict[str, dict[str, int]] = {
     "dp1": {},
@@ -225,6 +310,9 @@ def main() -> None:
     parser.add_argument("--bucket-mib", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--loaders", action="store_true", help="refit part: no load-plan replay")
+    parser.add_argument(
+        "--each-arg", action="store_true", help="ablation part: one engine argument at a time"
+    )
     parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the driver also runs Ray
@@ -241,6 +329,7 @@ PARTS: dict[str, Callable[[argparse.Namespace, str], dict[str, list]]] = {
     "refit": refit_part,
     "sweep": sweep,
     "scaling": scaling_part,
+    "ablation": ablation,
 }
 
 if __name__ == "__main__":

@@ -109,7 +109,23 @@ def test_in_actor_runs_the_contestant_in_a_ray_actor() -> None:
 
     run, close = common.in_actor(make, gpus=0)
     try:
-        assert run() == 2  # the warm-up call was the first
-        assert run() == 3
+        assert run() == 1  # in_actor waited for make() only; the first call is measure's warm-up
+        assert run() == 2
     finally:
         close()
+
+
+def test_ablation_variants_isolate_the_engine_arguments_rollgen_changes() -> None:
+    from benchmarks.vllm_gpu import ablation_variants
+
+    raw = {"model": "m", "enforce_eager": True}
+    ours = {"model": "m", "enforce_eager": True, "seed": 0, "generation_config": "vllm"}
+    defaults = {"seed": 0, "generation_config": "auto"}
+    variants, differing = ablation_variants(raw, ours, defaults, each_arg=True)
+    assert differing == {"generation_config": "vllm"}  # seed=0 is vLLM's default already
+    assert variants == {
+        "raw_in_actor": (raw, False),
+        "arg_generation_config": ({**raw, "generation_config": "vllm"}, False),
+    }
+    variants, _ = ablation_variants(raw, ours, defaults, each_arg=False)
+    assert variants["both"] == (ours, True) and variants["sample_params"] == (raw, True)
