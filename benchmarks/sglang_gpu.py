@@ -98,6 +98,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     # the raw engine returns the logprobs rollgen's worker asks for (raw, before temperature)
     os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
+    # timed again once the engines run: it was 20x slower then in this process (BENCHMARKS.md)
+    own_ms_before_engines = throughput.own_work_ms(args.batch, PROMPT, GEN)
     import sglang
 
     model, batch = qwen25_1p5b_dir(), workload_batch(args.batch)
@@ -121,7 +123,11 @@ def main() -> None:
     close_actor()
     results["throughput"] = [row]
     results["own_work"] = [
-        {"mode": "graphs", **throughput.own_work_share(args.batch, PROMPT, GEN, row["rollgen_s"])}
+        {
+            "mode": "graphs",
+            **throughput.own_work_share(args.batch, PROMPT, GEN, row["rollgen_s"]),
+            "own_ms_before_engines": own_ms_before_engines,
+        }
     ]
     print_table([row], ["mode", "raw_tok_s", "raw_in_actor_ratio", "rollgen_tok_s", "rollgen_ratio"])
     save()
