@@ -81,3 +81,25 @@ def test_unseeded_engines_draw_different_samples(hf_config: dict) -> None:
     cfg = {**hf_config, "temperature": 1.5, "seed": None}
     with rollgen.create_generation(cfg) as a, rollgen.create_generation(cfg) as b:
         assert not torch.equal(a.generate(batch)["output_ids"], b.generate(batch)["output_ids"])
+
+
+def test_model_eos_ids_come_from_the_generation_config_else_the_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from rollgen.model_info import ModelInfo
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 8, "eos_token_id": 2}))
+    assert ModelInfo.from_dir(str(tmp_path)).eos_token_ids == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 2]}))
+    assert ModelInfo.from_dir(str(tmp_path)).eos_token_ids == (5, 2)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": None}))
+    assert ModelInfo.from_dir(str(tmp_path)).eos_token_ids == ()
+
+
+def test_eos_ids_join_the_stop_ids_of_every_sample() -> None:
+    from rollgen.sampling import resolve_sampling
+
+    cfg = {"temperature": 1.0, "top_p": 1.0, "top_k": None, "max_new_tokens": 4, "stop_token_ids": [7, 5]}
+    data = {"input_ids": torch.zeros((2, 3), dtype=torch.long), "input_lengths": torch.tensor([3, 2])}
+    params = resolve_sampling(cfg, data, greedy=False, max_model_len=16, eos_token_ids=(5, 2))
+    assert [p.stop_token_ids for p in params] == [(7, 5, 2), (7, 5, 2)]

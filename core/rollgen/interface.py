@@ -154,7 +154,7 @@ class BaseGeneration(GenerationInterface):
 
     def sample_params(self, batch: Mapping[str, Any], greedy: bool) -> list[SampleParams]:
         """Per-sample settings for a validated batch (used by backends inside ``_generate``)."""
-        return resolve_sampling(self.cfg, batch, greedy, self.max_model_len)
+        return resolve_sampling(self.cfg, batch, greedy, self.max_model_len, self.model_info.eos_token_ids)
 
     @abstractmethod
     def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:

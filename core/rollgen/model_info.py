@@ -16,6 +16,9 @@ class ModelInfo:
     max_position_embeddings: int
     torch_dtype: str | None
     tie_word_embeddings: bool
+    #: The ids that end a sample: ``generation_config.json``'s ``eos_token_id`` (what HF's
+    #: ``generate`` stops at), else ``config.json``'s.
+    eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def from_dir(cls, path: str) -> ModelInfo:
@@ -27,10 +30,21 @@ class ModelInfo:
             )
         raw = json.loads(config_file.read_text())
         text = raw.get("text_config", raw)
+        generation_file = Path(path) / "generation_config.json"
+        generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+        eos = generation.get("eos_token_id", text.get("eos_token_id", raw.get("eos_token_id")))
         return cls(
             path=str(path),
             vocab_size=int(text["vocab_size"]),
             max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
             torch_dtype=text.get("torch_dtype") or text.get("dtype"),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            eos_token_ids=_ids(eos),
         )
+
+
+def _ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """An HF config's token id field (one id, a list, or null) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in (value if isinstance(value, list) else [value]))

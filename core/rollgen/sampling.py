@@ -12,7 +12,8 @@ import torch
 @dataclass(frozen=True)
 class SampleParams:
     """Everything an engine needs to decode one sample. ``top_k`` -1 means off; greedy is
-    ``temperature == 0``."""
+    ``temperature == 0``; ``stop_token_ids`` holds the config's stop ids and the model's EOS ids
+    (an engine needs no EOS of its own)."""
 
     temperature: float
     top_p: float
@@ -28,10 +29,14 @@ class SampleParams:
 
 
 def resolve_sampling(
-    cfg: Mapping[str, Any], data: Mapping[str, Any], greedy: bool, max_model_len: int
+    cfg: Mapping[str, Any],
+    data: Mapping[str, Any],
+    greedy: bool,
+    max_model_len: int,
+    eos_token_ids: tuple[int, ...] = (),
 ) -> list[SampleParams]:
     """One SampleParams per sample of ``data``. ``max_new_tokens`` is capped so that prompt plus
-    generation fits in ``max_model_len``."""
+    generation fits in ``max_model_len``; the model's ``eos_token_ids`` join the stop ids."""
     batch = data["input_ids"].shape[0]
     lengths = data["input_lengths"].tolist()
 
@@ -47,7 +52,7 @@ def resolve_sampling(
     seeds = column("seed", None)
     stops = data.get("stop_strings") or [None] * batch
     base_stops = tuple(cfg.get("stop_strings") or ())
-    stop_ids = tuple(cfg.get("stop_token_ids") or ())
+    stop_ids = tuple(dict.fromkeys(tuple(cfg.get("stop_token_ids") or ()) + eos_token_ids))
     return [
         SampleParams(
             temperature=float(temps[i]),

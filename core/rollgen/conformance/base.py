@@ -33,7 +33,7 @@ from rollgen.registry import RegisteredBackend, get_registry
 from rollgen.spec import Capability
 from rollgen.testing.prompts import PROMPTS, encode, generated_texts
 from rollgen.testing.reference import agreement, generated_mask, load_reference_model, teacher_forced_logprobs
-from rollgen.testing.tiny_model import tiny_model_dir
+from rollgen.testing.tiny_model import tiny_model_dir, with_generation_config
 
 
 class BackendConformance:
@@ -482,6 +482,31 @@ class BackendConformance:
         assert int(out["generation_lengths"][1]) <= 3
         end = int(out["unpadded_sequence_lengths"][1])
         assert int(out["output_ids"][1, end - 1]) == stop_id, "the stop token is kept"
+
+    def test_generation_config_eos_ends_generation(
+        self,
+        make_engine: Callable[..., Any],
+        batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
+        model_dir: str,
+        tokenizer: Any,
+        tmp_path_factory: pytest.TempPathFactory,
+    ) -> None:
+        """Every id of the model's ``generation_config.json`` ``eos_token_id`` ends a sample (as
+        in HF's ``generate``), not only the tokenizer's EOS."""
+        start = int(batch["input_lengths"][1])
+        eos_id = int(greedy_out["output_ids"][1, start + 2])
+        variant = with_generation_config(
+            model_dir, tmp_path_factory.mktemp("eos-model"), eos_token_id=[tokenizer.eos_token_id, eos_id]
+        )
+        engine = make_engine(model_name=variant)
+        try:
+            out = engine.generate(batch, greedy=True)
+        finally:
+            engine.shutdown()
+        assert int(out["generation_lengths"][1]) <= 3, "the generation config's EOS did not end it"
+        end = int(out["unpadded_sequence_lengths"][1])
+        assert int(out["output_ids"][1, end - 1]) == eos_id, "the EOS token is kept"
 
     def test_processed_logprobs(
         self,

@@ -5,7 +5,7 @@ from rollgen.testing.reference import (
     load_reference_model,
     teacher_forced_logprobs,
 )
-from rollgen.testing.tiny_model import TinyModelRecipe, tiny_model_dir
+from rollgen.testing.tiny_model import TinyModelRecipe, tiny_model_dir, with_generation_config
 
 __all__ = [
     "TinyModelRecipe",
@@ -13,4 +13,5 @@ __all__ = [
     "load_reference_model",
     "teacher_forced_logprobs",
     "tiny_model_dir",
+    "with_generation_config",
 ]

@@ -87,6 +87,20 @@ def tiny_model_dir(recipe: TinyModelRecipe | None = None, trained: bool = True) 
     return str(target)
 
 
+def with_generation_config(model_dir: str, dest: str | Path, **fields: object) -> str:
+    """``model_dir`` as a new folder ``dest`` whose ``generation_config.json`` has ``fields``
+    overridden (the other files are linked, not copied)."""
+    src, out = Path(model_dir), Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "generation_config.json":
+            (out / f.name).symlink_to(f.resolve())
+    generation = src / "generation_config.json"
+    base = json.loads(generation.read_text()) if generation.is_file() else {}
+    (out / "generation_config.json").write_text(json.dumps({**base, **fields}, indent=2))
+    return str(out)
+
+
 def _build(recipe: TinyModelRecipe, out: Path) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

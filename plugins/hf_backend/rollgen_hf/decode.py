@@ -58,12 +58,12 @@ def decode(
     params: Sequence[SampleParams],
     *,
     pad_token_id: int,
-    eos_token_ids: set[int],
     processed_logprobs: bool,
     stop_hit: Callable[[int, list[int]], bool],
     generator: torch.Generator | None,
 ) -> Decoded:
-    """Decode every row until EOS, a stop token id, a stop string or its token budget."""
+    """Decode every row until a stop token id (the model's EOS ids among them), a stop string or
+    its token budget."""
     device = next(model.parameters()).device
     batch = input_ids.shape[0]
     temperature = torch.tensor([p.temperature for p in params], device=device)
@@ -71,7 +71,7 @@ def decode(
     top_p = torch.tensor([p.top_p for p in params], device=device)
     budget = torch.tensor([p.max_new_tokens for p in params])
     greedy = temperature == 0
-    stop_sets = [sorted(set(p.stop_token_ids) | eos_token_ids) for p in params]
+    stop_sets = [sorted(set(p.stop_token_ids)) for p in params]
     stop_table = torch.full((batch, max(1, max(len(x) for x in stop_sets))), -1, dtype=torch.long)
     for i, ids_i in enumerate(stop_sets):
         stop_table[i, : len(ids_i)] = torch.tensor(ids_i, dtype=torch.long)

@@ -40,8 +40,6 @@ class HfGeneration(BaseGeneration):
             .to(self.device)
             .eval()
         )
-        eos = self.model.generation_config.eos_token_id
-        self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self._generator = torch.Generator()
         if self.cfg.get("seed") is None:
             self._generator.seed()  # unseeded runs differ from each other
@@ -66,7 +64,6 @@ class HfGeneration(BaseGeneration):
             batch["input_lengths"],
             params,
             pad_token_id=self.cfg["pad_token_id"],
-            eos_token_ids=self.eos_token_ids,
             processed_logprobs=self.cfg["logprobs_mode"] == "processed",
             stop_hit=stop_hit,
             generator=self._generator,
