@@ -215,8 +215,17 @@ def sweep(args: argparse.Namespace, model: str) -> dict[str, list]:
     return results
 
 
+#: The ablation's variants without ``--each-arg``: raw vLLM given rollgen's engine arguments,
+#: its per-sample SamplingParams, or both.
+COMBINED = ("engine_args", "sample_params", "both")
+
+
 def ablation_variants(
-    raw: dict[str, Any], ours: dict[str, Any], defaults: dict[str, Any], each_arg: bool
+    raw: dict[str, Any],
+    ours: dict[str, Any],
+    defaults: dict[str, Any],
+    each_arg: bool,
+    combined: tuple[str, ...] = COMBINED,
 ) -> tuple[dict[str, tuple[dict[str, Any], bool]], dict[str, Any]]:
     """The ablation's raw-engine contestants (name -> engine arguments, whether it uses rollgen's
     per-sample SamplingParams) and the engine arguments where rollgen's (``ours``) differ from
@@ -226,16 +235,17 @@ def ablation_variants(
     if each_arg:
         variants.update({f"arg_{k}": ({**raw, k: v}, False) for k, v in differing.items()})
     else:
-        variants.update({"engine_args": (ours, False), "sample_params": (raw, True), "both": (ours, True)})
+        options = {"engine_args": (ours, False), "sample_params": (raw, True), "both": (ours, True)}
+        variants.update({name: options[name] for name in combined})
     return variants, differing
 
 
 def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
     """Where a throughput gap between rollgen and raw vLLM comes from: raw vLLM in plain Ray
     actors on one GPU given rollgen's engine arguments and/or its per-sample SamplingParams
-    (``--each-arg``: each engine argument that differs, one at a time), beside rollgen itself;
-    alternating, each against raw vLLM in an actor. With ``--util 0.1``: up to ten engines fit;
-    they start one after another (about a minute each on the H200 host)."""
+    (``--variants``; ``--each-arg``: each engine argument that differs, one at a time), beside
+    rollgen itself; alternating, each against raw vLLM in an actor. With ``--util 0.1``: up to
+    ten engines fit; they start one after another (about a minute each on the H200 host)."""
     import dataclasses
 
     import vllm
@@ -250,7 +260,7 @@ def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
             rollgen_config(model, eager, args.util, gpus_per_bundle=ABLATION_SHARE)
         )
         raw, ours = raw_kwargs(model, eager, args.util), engine_kwargs(gen.cfg, True, None)
-        variants, differing = ablation_variants(raw, ours, defaults, args.each_arg)
+        variants, differing = ablation_variants(raw, ours, defaults, args.each_arg, tuple(args.variants))
         samples = gen.sample_params(batch, greedy=False)
         started = {
             name: in_actor(
@@ -312,6 +322,13 @@ def main() -> None:
     parser.add_argument("--loaders", action="store_true", help="refit part: no load-plan replay")
     parser.add_argument(
         "--each-arg", action="store_true", help="ablation part: one engine argument at a time"
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(COMBINED),
+        choices=COMBINED,
+        help="ablation part, without --each-arg",
     )
     parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args()
