@@ -49,6 +49,6 @@ def own_work_share(batch: int, prompt: int, gen: int, generate_s: float, repeats
         "shape": f"{batch}x({prompt}+{gen})",
         "own_ms": own_ms,
         "generate_ms": generate_s * 1e3,
-        "share_pct": own_ms / (10 * generate_s),
+        "share_pct": 100 * own_ms / (generate_s * 1e3),
         "threads": torch.get_num_threads(),
     }

@@ -88,12 +88,6 @@ def raw_llm(model: str, eager: bool, util: float) -> Any:
     return vllm.LLM(**raw_kwargs(model, eager, util))
 
 
-def raw_in_actor(model: str, eager: bool, util: float, prompts: list[dict[str, list[int]]]) -> Any:
-    """What ``InActor`` builds: raw vLLM's contestant and its close function."""
-    llm = raw_llm(model, eager, util)
-    return raw_generate(llm, prompts), partial(close_raw, llm)
-
-
 def raw_prompts(batch: dict[str, torch.Tensor]) -> list[dict[str, list[int]]]:
     """The batch as ``vllm.LLM.generate`` takes token prompts (equal lengths: no padding)."""
     return [{"prompt_token_ids": row.tolist()} for row in batch["input_ids"]]
@@ -114,19 +108,15 @@ def raw_generate(llm: Any, prompts: list[dict[str, list[int]]], params: Any = No
     return run
 
 
-def ablation_engine(
-    kwargs: dict[str, Any], prompts: list[dict[str, list[int]]], samples: list[SampleParams] | None
+def raw_in_actor(
+    kwargs: dict[str, Any], prompts: list[dict[str, list[int]]], samples: list[SampleParams] | None = None
 ) -> tuple[Callable[[], int], Callable[[], None]]:
-    """What ``InActor`` builds for the ablation: ``vllm.LLM(**kwargs)``, generating with one
-    shared ``SamplingParams`` (``samples`` None) or with rollgen's per-sample ones."""
+    """What ``InActor`` builds: ``vllm.LLM(**kwargs)``'s contestant, generating with one shared
+    ``SamplingParams`` (``samples`` None) or with rollgen's per-sample ones, and its close."""
     import vllm
 
     llm = vllm.LLM(**kwargs)
-    params = None
-    if samples is not None:
-        params = sampling_params(
-            samples, "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ())
-        )
+    params = None if samples is None else sampling_params(samples)
     return raw_generate(llm, prompts, params), partial(close_raw, llm)
 
 
@@ -154,7 +144,7 @@ def single(args: argparse.Namespace, model: str) -> dict[str, list]:
         gen = rollgen.create_generation(rollgen_config(model, eager, args.util, gpus_per_bundle=GPU_SHARE))
         llm = raw_llm(model, eager, args.util)
         in_actor_run, close_actor = in_actor(
-            partial(raw_in_actor, model, eager, args.util, prompts), GPU_SHARE
+            partial(raw_in_actor, raw_kwargs(model, eager, args.util), prompts), GPU_SHARE
         )
         contestants = {
             "raw": raw_generate(llm, prompts),
@@ -264,7 +254,7 @@ def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
         samples = gen.sample_params(batch, greedy=False)
         started = {
             name: in_actor(
-                partial(ablation_engine, kwargs, prompts, samples if per_sample else None), ABLATION_SHARE
+                partial(raw_in_actor, kwargs, prompts, samples if per_sample else None), ABLATION_SHARE
             )
             for name, (kwargs, per_sample) in variants.items()
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -49,13 +50,29 @@ def engine_kwargs(cfg: dict[str, Any], use_gpus: bool, executor: str | None) -> 
     return kwargs
 
 
-def sampling_params(samples: list[SampleParams], flat_logprobs: bool) -> list[Any]:
+@functools.cache
+def flat_logprobs_supported() -> bool:
+    """Whether this vLLM's ``SamplingParams`` can return logprobs in its flat layout."""
+    import vllm
+
+    return "flat_logprobs" in getattr(vllm.SamplingParams, "__struct_fields__", ())
+
+
+@functools.cache
+def _top_k_off() -> int:
+    """The ``top_k`` that means "off" in this vLLM (its default)."""
+    import vllm
+
+    return int(vllm.SamplingParams().top_k)
+
+
+def sampling_params(samples: list[SampleParams]) -> list[Any]:
     """One ``vllm.SamplingParams`` per sample, asking for the sampled token's logprob (in vLLM's
     flat layout where this vLLM has it)."""
     import vllm
 
-    extra = {"flat_logprobs": True} if flat_logprobs else {}
-    top_k_off = vllm.SamplingParams().top_k
+    extra = {"flat_logprobs": True} if flat_logprobs_supported() else {}
+    top_k_off = _top_k_off()
     return [
         vllm.SamplingParams(
             temperature=p.temperature,
@@ -107,8 +124,7 @@ class VllmWorker:
 
         self.sleep_enabled = bool(vcfg["enable_sleep_mode"])
         self.llm = vllm.LLM(**engine_kwargs(cfg, use_gpus, executor))
-        fields = getattr(vllm.SamplingParams, "__struct_fields__", ())
-        self.flat_logprobs = "flat_logprobs" in fields
+        self.flat_logprobs = flat_logprobs_supported()
 
     def ready(self) -> dict[str, Any]:
         import vllm
@@ -119,7 +135,7 @@ class VllmWorker:
         """Generate for one data-parallel shard; output in the contract's layout."""
         ids, lengths = shard["input_ids"], shard["input_lengths"]
         prompts = [{"prompt_token_ids": row[:n].tolist()} for row, n in zip(ids, lengths.tolist())]
-        params = sampling_params(shard["_params"], self.flat_logprobs)
+        params = sampling_params(shard["_params"])
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outputs]
         logprobs = [self._logprobs(o.outputs[0]) for o in outputs]

@@ -21,8 +21,6 @@ class ExampleGeneration(BaseGeneration):
         self.model = AutoModelForCausalLM.from_pretrained(
             self.cfg["model_name"], dtype=self.engine_dtype
         ).eval()
-        eos = self.model.generation_config.eos_token_id
-        self.stop_ids = set(eos if isinstance(eos, list) else [eos]) | set(self.cfg["stop_token_ids"] or [])
         self.rng = torch.Generator()
         if self.cfg["seed"] is not None:
             self.rng.manual_seed(self.cfg["seed"])
@@ -30,7 +28,9 @@ class ExampleGeneration(BaseGeneration):
     @torch.no_grad()
     def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
         rows, lps = [], []
-        for ids, n in zip(batch["input_ids"], batch["input_lengths"].tolist()):
+        # the core's stop ids: the config's and the model's EOS ids
+        stops = [set(p.stop_token_ids) for p in self.sample_params(batch, greedy)]
+        for ids, n, stop_ids in zip(batch["input_ids"], batch["input_lengths"].tolist(), stops):
             seq = ids[:n].tolist()
             budget = max(1, min(self.cfg["max_new_tokens"], self.max_model_len - n))
             gen, gen_lp = [], []
@@ -44,7 +44,7 @@ class ExampleGeneration(BaseGeneration):
                     token = int(torch.multinomial(probs, 1, generator=self.rng))
                 gen.append(token)
                 gen_lp.append(float(logp[token]))
-                if token in self.stop_ids:
+                if token in stop_ids:
                     break
             rows.append(gen)
             lps.append(gen_lp)
