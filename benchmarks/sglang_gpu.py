@@ -37,9 +37,10 @@ from benchmarks.common import (
 )
 
 
-def engine_settings(model: str, mem_fraction: float) -> dict[str, Any]:
+def engine_settings(model: str, mem_fraction: float, sleep_on_idle: bool) -> dict[str, Any]:
     """What both engines get (rollgen's worker passes the same keys from its config)."""
     return {
+        "sleep_on_idle": sleep_on_idle,
         "model_path": model,
         "dtype": "bfloat16",
         "load_format": "dummy",
@@ -52,7 +53,7 @@ def engine_settings(model: str, mem_fraction: float) -> dict[str, Any]:
     }
 
 
-def rollgen_config(model: str, mem_fraction: float) -> dict[str, Any]:
+def rollgen_config(model: str, mem_fraction: float, sleep_on_idle: bool) -> dict[str, Any]:
     return {
         "backend": "sglang",
         "model_name": model,
@@ -60,7 +61,7 @@ def rollgen_config(model: str, mem_fraction: float) -> dict[str, Any]:
         "pad_token_id": 0,
         "dtype": "bfloat16",
         "sglang_cfg": {"mem_fraction_static": mem_fraction, "load_format": "dummy", "gpus_per_bundle": 0.5},
-        "sglang_kwargs": {"skip_tokenizer_init": True},
+        "sglang_kwargs": {"skip_tokenizer_init": True, "sleep_on_idle": sleep_on_idle},
     }
 
 
@@ -91,6 +92,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mem-fraction", type=float, default=0.2, help="each engine's share of the GPU")
     parser.add_argument("--bucket-mib", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument(
+        "--sleep-on-idle",
+        action="store_true",
+        help="every engine's scheduler waits for work instead of polling (SGLang's sleep_on_idle)",
+    )
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=["throughput", "refit", "sleep_wake"],
+        default=["throughput", "refit", "sleep_wake"],
+    )
     parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args()
     if torch.cuda.device_count() != 1:
@@ -103,55 +115,61 @@ def main() -> None:
     import sglang
 
     model, batch = qwen25_1p5b_dir(), workload_batch(args.batch)
-    prompts = batch["input_ids"].tolist()
-    engine = sglang.Engine(**engine_settings(model, args.mem_fraction))
-    gen = rollgen.create_generation(rollgen_config(model, 2 * args.mem_fraction))
-    in_actor_run, close_actor = in_actor(
-        partial(raw_in_actor, engine_settings(model, 3 * args.mem_fraction), prompts), gpus=0.25
-    )
+    idle = args.sleep_on_idle
+    engine = sglang.Engine(**engine_settings(model, args.mem_fraction, idle))
+    gen = rollgen.create_generation(rollgen_config(model, 2 * args.mem_fraction, idle))
     results: dict[str, list[dict[str, Any]]] = {}
 
     def save() -> None:
         save_all("sglang_gpu", results, args.out)
 
-    contestants = {
-        "raw": raw_generate(engine, prompts),
-        "raw_in_actor": in_actor_run,
-        "rollgen": rollgen_generate(gen, batch),
-    }
-    row = throughput.measure("graphs", contestants, args.repeats)
-    close_actor()
-    results["throughput"] = [row]
-    results["own_work"] = [
-        {
-            "mode": "graphs",
-            **throughput.own_work_share(args.batch, PROMPT, GEN, row["rollgen_s"]),
-            "own_ms_before_engines": own_ms_before_engines,
+    if "throughput" in args.parts:
+        prompts = batch["input_ids"].tolist()
+        in_actor_run, close_actor = in_actor(
+            partial(raw_in_actor, engine_settings(model, 3 * args.mem_fraction, idle), prompts), gpus=0.25
+        )
+        contestants = {
+            "raw": raw_generate(engine, prompts),
+            "raw_in_actor": in_actor_run,
+            "rollgen": rollgen_generate(gen, batch),
         }
-    ]
-    print_table([row], ["mode", "raw_tok_s", "raw_in_actor_ratio", "rollgen_tok_s", "rollgen_ratio"])
-    save()
+        row = {**throughput.measure("graphs", contestants, args.repeats), "sleep_on_idle": idle}
+        close_actor()
+        results["throughput"] = [row]
+        results["own_work"] = [
+            {
+                "mode": "graphs",
+                "sleep_on_idle": idle,
+                **throughput.own_work_share(args.batch, PROMPT, GEN, row["rollgen_s"]),
+                "own_ms_before_engines": own_ms_before_engines,
+            }
+        ]
+        print_table([row], ["mode", "raw_tok_s", "raw_in_actor_ratio", "rollgen_tok_s", "rollgen_ratio"])
+        print_table(results["own_work"], ["sleep_on_idle", "own_ms_before_engines", "own_ms", "share_pct"])
+        save()
 
     device = torch.device("cuda", 0)
-    state = refit.random_state(gen.weight_spec, device, tied=QWEN25_1P5B["tie_word_embeddings"])
-    results["refit"] = refit.measure(gen, state, args.bucket_mib, args.repeats)
-    del state
-    torch.cuda.empty_cache()
-    print_table(results["refit"], refit.COLUMNS)
-    save()
+    if "refit" in args.parts:
+        state = refit.random_state(gen.weight_spec, device, tied=QWEN25_1P5B["tie_word_embeddings"])
+        results["refit"] = refit.measure(gen, state, args.bucket_mib, args.repeats)
+        del state
+        torch.cuda.empty_cache()
+        print_table(results["refit"], refit.COLUMNS)
+        save()
 
-    results["sleep_wake"] = [
-        sleep_wake.measure_rollgen(gen, device.index, args.repeats),
-        sleep_wake.measure(
-            "raw",
-            engine.release_memory_occupation,
-            [engine.resume_memory_occupation],
-            device.index,
-            args.repeats,
-        ),
-    ]
-    print_table(results["sleep_wake"], sleep_wake.COLUMNS)
-    save()
+    if "sleep_wake" in args.parts:
+        results["sleep_wake"] = [
+            sleep_wake.measure_rollgen(gen, device.index, args.repeats),
+            sleep_wake.measure(
+                "raw",
+                engine.release_memory_occupation,
+                [engine.resume_memory_occupation],
+                device.index,
+                args.repeats,
+            ),
+        ]
+        print_table(results["sleep_wake"], sleep_wake.COLUMNS)
+        save()
     gen.shutdown()
     engine.shutdown()
 
