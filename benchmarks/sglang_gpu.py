@@ -95,7 +95,8 @@ def main() -> None:
     parser.add_argument(
         "--sleep-on-idle",
         action="store_true",
-        help="every engine's scheduler waits for work instead of polling (SGLang's sleep_on_idle)",
+        help="every engine's scheduler waits for work instead of polling (SGLang's sleep_on_idle; "
+        "rollgen's default, SGLang's is to poll): without it all three engines poll",
     )
     parser.add_argument(
         "--parts",
@@ -110,7 +111,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     # the raw engine returns the logprobs rollgen's worker asks for (raw, before temperature)
     os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
-    # timed again once the engines run: it was 20x slower then in this process (BENCHMARKS.md)
+    # timed again once the engines run: polling schedulers made it 13x slower (BENCHMARKS.md)
     own_ms_before_engines = throughput.own_work_ms(args.batch, PROMPT, GEN)
     import sglang
 

@@ -44,8 +44,9 @@ def test_config_validation(hf_config: dict) -> None:
         "sglang_cfg": {"tensor_parallel_size": 2, "mem_fraction_static": 0.3},
     }
     assert validate_config(good, SglangConfig)["sglang_cfg"]["tensor_parallel_size"] == 2
-    bad = {**hf_config, "backend": "sglang", "sglang_cfg": {"mem_fraction_static": 1.5, "tp_size": 2}}
+    bad_cfg = {"mem_fraction_static": 1.5, "tp_size": 2, "sleep_on_idle": [1]}
+    bad = {**hf_config, "backend": "sglang", "sglang_cfg": bad_cfg}
     with pytest.raises(ConfigError) as info:
         validate_config(bad, SglangConfig)
-    assert len(info.value.problems) == 2
+    assert len(info.value.problems) == 3
     assert any("tp_size" in p for p in info.value.problems)

@@ -21,6 +21,10 @@ class SglangCfg(RayEngineCfg):
     #: SGLang honours per-request sampling seeds only with deterministic inference (batch-invariant
     #: kernels, PyTorch sampling). None: on when the config has a ``seed``.
     deterministic_inference: NotRequired[bool | None]
+    #: The scheduler waits for work instead of polling for it: an idle engine (a trainer's
+    #: training step) then leaves its CPU core free. Polling schedulers made rollgen's CPU work
+    #: on the same host 13x slower (BENCHMARKS.md, session 8).
+    sleep_on_idle: NotRequired[bool]
 
 
 SGLANG_CFG_DEFAULTS: dict[str, Any] = {
@@ -30,6 +34,7 @@ SGLANG_CFG_DEFAULTS: dict[str, Any] = {
     "load_format": "auto",
     "log_level": "error",
     "deterministic_inference": None,
+    "sleep_on_idle": True,
 }
 
 

@@ -67,6 +67,7 @@ class SglangWorker:
             "random_seed": 0 if cfg["seed"] is None else int(cfg["seed"]),
             "log_level": scfg["log_level"],
             "enable_deterministic_inference": self.seeded,
+            "sleep_on_idle": scfg["sleep_on_idle"],
         }
         if tp > 1:
             kwargs["enforce_disable_flashinfer_allreduce_fusion"] = True
