@@ -39,6 +39,7 @@ from benchmarks.common import (
     save_all,
     workload_batch,
 )
+from rollgen.data import BatchedDataDict
 from rollgen.refit import device_uuid
 from rollgen.sampling import SampleParams
 from rollgen_vllm.worker import engine_kwargs, sampling_params
@@ -118,6 +119,19 @@ def raw_in_actor(
     llm = vllm.LLM(**kwargs)
     params = None if samples is None else sampling_params(samples)
     return raw_generate(llm, prompts, params), partial(close_raw, llm)
+
+
+def worker_in_actor(
+    cfg: dict[str, Any], shard: BatchedDataDict[Any], use_gpus: bool = True
+) -> tuple[Callable[[], int], Callable[[], None]]:
+    """What ``InActor`` builds for the ablation's ``worker`` variant: rollgen's own ``VllmWorker``
+    (TP=1), given the shard rollgen's driver sends it, in a plain Ray actor instead of rollgen's
+    placement-group actor; its contestant (generated tokens) and its close."""
+    from rollgen.distributed.worker_groups import TiedGroup
+    from rollgen_vllm.worker import VllmWorker
+
+    worker = VllmWorker(cfg, use_gpus, TiedGroup(0, (0,)), 0)
+    return lambda: int(worker.generate(shard)["generation_lengths"].sum()), worker.shutdown
 
 
 def close_raw(llm: Any) -> None:
@@ -206,8 +220,8 @@ def sweep(args: argparse.Namespace, model: str) -> dict[str, list]:
 
 
 #: The ablation's variants without ``--each-arg``: raw vLLM given rollgen's engine arguments,
-#: its per-sample SamplingParams, or both.
-COMBINED = ("engine_args", "sample_params", "both")
+#: its per-sample SamplingParams, or both; ``worker``: rollgen's own worker in a plain actor.
+COMBINED = ("engine_args", "sample_params", "both", "worker")
 
 
 def ablation_variants(
@@ -226,16 +240,17 @@ def ablation_variants(
         variants.update({f"arg_{k}": ({**raw, k: v}, False) for k, v in differing.items()})
     else:
         options = {"engine_args": (ours, False), "sample_params": (raw, True), "both": (ours, True)}
-        variants.update({name: options[name] for name in combined})
+        variants.update({name: options[name] for name in combined if name in options})
     return variants, differing
 
 
 def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
     """Where a throughput gap between rollgen and raw vLLM comes from: raw vLLM in plain Ray
-    actors on one GPU given rollgen's engine arguments and/or its per-sample SamplingParams
-    (``--variants``; ``--each-arg``: each engine argument that differs, one at a time), beside
-    rollgen itself; alternating, each against raw vLLM in an actor. With ``--util 0.1``: up to
-    ten engines fit; they start one after another (about a minute each on the H200 host)."""
+    actors on one GPU given rollgen's engine arguments and/or its per-sample SamplingParams, or
+    rollgen's own worker in a plain actor (``--variants``; ``--each-arg``: each engine argument
+    that differs, one at a time), beside rollgen itself; alternating, each against raw vLLM in an
+    actor. With ``--util 0.1``: up to ten engines fit; they start one after another (about a
+    minute each on the H200 host)."""
     import dataclasses
 
     import vllm
@@ -258,6 +273,9 @@ def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
             )
             for name, (kwargs, per_sample) in variants.items()
         }
+        if "worker" in args.variants and not args.each_arg:
+            shard = BatchedDataDict({**batch, "_params": samples})
+            started["worker"] = in_actor(partial(worker_in_actor, gen.cfg, shard), ABLATION_SHARE)
         contestants = {name: run for name, (run, _) in started.items()}
         contestants["rollgen"] = rollgen_generate(gen, batch)
         row = {**throughput.measure(mode, contestants, args.repeats), "differing_args": differing}

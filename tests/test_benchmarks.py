@@ -129,5 +129,6 @@ def test_ablation_variants_isolate_the_engine_arguments_rollgen_changes() -> Non
     }
     variants, _ = ablation_variants(raw, ours, defaults, each_arg=False)
     assert variants["both"] == (ours, True) and variants["sample_params"] == (raw, True)
+    assert "worker" not in variants  # rollgen's own worker, started by ablation() itself
     variants, _ = ablation_variants(raw, ours, defaults, each_arg=False, combined=("sample_params",))
     assert list(variants) == ["raw_in_actor", "sample_params"]

@@ -2,6 +2,7 @@
 against an independent HF computation, a worker killed mid-call, the multi-process engine core."""
 
 import importlib.util
+from functools import partial
 
 import pytest
 import ray
@@ -80,6 +81,21 @@ def test_trainer_loop_logprobs_match_independent_hf(dp2, model_dir: str, batch: 
             assert stats["max_abs"] < 1e-4, (step, stats)
     finally:
         dp2.refit(load_reference_model(model_dir))
+
+
+def test_rollgen_worker_in_a_plain_actor_generates_what_rollgen_does(dp1, batch: dict) -> None:
+    """The GPU ablation's ``worker`` variant: rollgen's worker in a plain Ray actor, given the
+    shard rollgen's driver sends, generates the same tokens as rollgen (greedy)."""
+    from benchmarks.common import in_actor
+    from benchmarks.vllm_gpu import worker_in_actor
+
+    shard = rollgen.BatchedDataDict(batch)
+    shard["_params"] = dp1.sample_params(shard, greedy=True)
+    run, close = in_actor(partial(worker_in_actor, dp1.cfg, shard, False), gpus=0)
+    try:
+        assert run() == int(dp1.generate(batch, greedy=True)["generation_lengths"].sum())
+    finally:
+        close()
 
 
 def test_worker_killed_mid_call_is_a_worker_error(vllm_config: dict, batch: dict) -> None:
