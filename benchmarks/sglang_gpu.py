@@ -60,8 +60,13 @@ def rollgen_config(model: str, mem_fraction: float, sleep_on_idle: bool) -> dict
         "max_new_tokens": GEN,
         "pad_token_id": 0,
         "dtype": "bfloat16",
-        "sglang_cfg": {"mem_fraction_static": mem_fraction, "load_format": "dummy", "gpus_per_bundle": 0.5},
-        "sglang_kwargs": {"skip_tokenizer_init": True, "sleep_on_idle": sleep_on_idle},
+        "sglang_cfg": {
+            "mem_fraction_static": mem_fraction,
+            "load_format": "dummy",
+            "gpus_per_bundle": 0.5,
+            "sleep_on_idle": sleep_on_idle,
+        },
+        "sglang_kwargs": {"skip_tokenizer_init": True},
     }
 
 
