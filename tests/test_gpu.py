@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import rollgen
+from rollgen.refit import GPU_BUCKET_BYTES, default_bucket_bytes
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
 from rollgen.testing.prompts import PROMPTS, encode
 from rollgen.testing.reference import agreement, generated_mask
@@ -48,6 +49,8 @@ def test_cuda_ipc_refit_sleep_wake(hf_config: dict, batch: dict) -> None:
         assert awake - asleep > 1 << 30, f"sleep freed only {(awake - asleep) / 2**30:.2f} GiB"
         gen.prepare_for_generation(tags=["weights"])
         new = load_reference_model(tiny_model_dir(trained=False), torch.bfloat16).cuda()
+        low, high = GPU_BUCKET_BYTES
+        assert low <= default_bucket_bytes(new) <= high  # a GPU source: sized by its free memory
         gen.refit(new)  # CUDA IPC handles keyed by device UUID, from GPU tensors: zero-copy
         gen.prepare_for_generation(tags=["kv_cache"])
         assert used() - asleep > 1 << 30, "wake retakes the memory"

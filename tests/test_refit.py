@@ -10,11 +10,15 @@ from hypothesis import strategies as st
 import rollgen
 from rollgen import RefitError
 from rollgen.refit import (
+    DEFAULT_BUCKET_BYTES,
     FLAT_ALIGN,
+    GPU_BUCKET_BYTES,
     TensorMeta,
     check_against_spec,
+    default_bucket_bytes,
     flat_offsets,
     flatten,
+    gpu_bucket_bytes,
     iter_buckets,
     unflatten,
 )
@@ -116,6 +120,18 @@ def test_buckets_never_split_a_module_group() -> None:
     sd["model.norm.weight"] = torch.zeros(256)
     buckets = list(iter_buckets(sd, "tensors", bucket_bytes=1500))
     assert [len(b.metas) for b in buckets] == [4, 1]
+
+
+def test_default_bucket_size_is_a_quarter_of_the_gpus_free_memory_within_bounds() -> None:
+    low, high = GPU_BUCKET_BYTES
+    assert gpu_bucket_bytes(64 << 30) == gpu_bucket_bytes(16 << 30) == high == 4 << 30
+    assert gpu_bucket_bytes(2 << 30) == 512 << 20
+    assert gpu_bucket_bytes(100 << 20) == low == 64 << 20
+    # host memory, or nothing to send: the fixed default
+    assert default_bucket_bytes({"w": torch.zeros(4)}) == DEFAULT_BUCKET_BYTES
+    assert default_bucket_bytes({}) == DEFAULT_BUCKET_BYTES
+    sd = {f"model.layers.{i}.mlp.up_proj.weight": torch.zeros(256) for i in range(3)}
+    assert [len(b.metas) for b in iter_buckets(sd, "tensors")] == [3]
 
 
 def test_refit_resets_the_prefix_cache_only_after_a_generate(hf_config: dict, monkeypatch) -> None:

@@ -52,10 +52,11 @@ class GenerationInterface(ABC):
         self,
         source: torch.nn.Module | Mapping[str, torch.Tensor],
         *,
-        bucket_bytes: int = refit_mod.DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        """Push a local model or state dict into the engine (validated, bucketed)."""
+        """Push a local model or state dict into the engine (validated, bucketed; ``bucket_bytes``
+        None: ``rollgen.refit.default_bucket_bytes``)."""
 
     @property
     @abstractmethod
@@ -266,11 +267,13 @@ class BaseGeneration(GenerationInterface):
         self,
         source: torch.nn.Module | Mapping[str, torch.Tensor],
         *,
-        bucket_bytes: int = refit_mod.DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         """Push a local model or state dict into the engine: validate everything, then stream
-        bounded buckets over ``local_transport``. ``dtype`` casts while packing."""
+        bounded buckets over ``local_transport`` (``bucket_bytes`` None: a quarter of the free
+        memory of the source's GPU, 64 MiB to 4 GiB; 1 GiB from host memory). ``dtype`` casts
+        while packing."""
         self._check_open()
         self._check_awake(["weights"], "refit")
         self.require(refit_mod.TRANSPORT_CAPABILITY[self.local_transport], "refit")
