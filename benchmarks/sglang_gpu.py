@@ -116,8 +116,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     # the raw engine returns the logprobs rollgen's worker asks for (raw, before temperature)
     os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1"
-    # timed again once the engines run: polling schedulers made it 13x slower (BENCHMARKS.md)
-    own_ms_before_engines = throughput.own_work_ms(args.batch, PROMPT, GEN)
+    if "throughput" in args.parts:
+        # timed again once the engines run: polling schedulers made it 13x slower (BENCHMARKS.md)
+        own_ms_before_engines = throughput.own_work_ms(args.batch, PROMPT, GEN)
     import sglang
 
     model, batch = qwen25_1p5b_dir(), workload_batch(args.batch)

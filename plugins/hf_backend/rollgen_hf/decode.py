@@ -71,7 +71,7 @@ def decode(
     top_p = torch.tensor([p.top_p for p in params], device=device)
     budget = torch.tensor([p.max_new_tokens for p in params])
     greedy = temperature == 0
-    stop_sets = [sorted(set(p.stop_token_ids)) for p in params]
+    stop_sets = [p.stop_token_ids for p in params]  # the core's: unique already
     stop_table = torch.full((batch, max(1, max(len(x) for x in stop_sets))), -1, dtype=torch.long)
     for i, ids_i in enumerate(stop_sets):
         stop_table[i, : len(ids_i)] = torch.tensor(ids_i, dtype=torch.long)
