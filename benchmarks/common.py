@@ -28,16 +28,19 @@ def machine() -> dict[str, Any]:
 def alternate(
     fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
 ) -> dict[str, dict[str, float]]:
-    """Time each function ``repeats`` times, interleaved (A B A B ...), after ``warmup`` rounds;
-    median, min and max seconds per function, and every run's seconds in order (``times``)."""
+    """Time each function ``repeats`` times, interleaved, after ``warmup`` rounds; each round
+    starts one later than the last (A B C, B C A, C A B, ...) so that no function always runs in
+    the same place. Median, min and max seconds per function, and every run's seconds by round
+    (``times``)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+    names = list(fns)
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             t = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(time.perf_counter() - t)
     return {
         k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": len(v), "times": v}
@@ -123,8 +126,8 @@ def rollgen_generate(gen: Any, batch: dict[str, torch.Tensor]) -> Callable[[], i
 
 class InActor:
     """A raw engine inside a plain Ray actor: ``make()`` (run in the actor) builds it and returns
-    its generate contestant and its close function. Placed like rollgen's worker, it tells what
-    running in a Ray worker process costs apart from rollgen's own code."""
+    its generate contestant and its close function. It tells what running in a Ray worker
+    process costs apart from rollgen's own code."""
 
     def __init__(self, make: Callable[[], tuple[Callable[[], int], Callable[[], None]]]) -> None:
         self.run, self.close = make()
@@ -139,20 +142,43 @@ class InActor:
         self.close()
 
 
+class PlacedInActor(InActor):
+    """``InActor`` built by rollgen's ``RayWorkerGroup``, which also passes the tied group and
+    index (unused)."""
+
+    def __init__(self, make: Callable[[], tuple[Callable[[], int], Callable[[], None]]], *_: Any) -> None:
+        super().__init__(make)
+
+
 def in_actor(
-    make: Callable[[], tuple[Callable[[], int], Callable[[], None]]], gpus: float
+    make: Callable[[], tuple[Callable[[], int], Callable[[], None]]], gpus: float, placed: bool = False
 ) -> tuple[Callable[[], int], Callable[[], None]]:
     """Start ``InActor(make)`` with 1 CPU and ``gpus`` of a GPU and wait until its engine is up
     (engines sharing a GPU start one at a time); its contestant and a function that shuts it
-    down. The contestant's first call is the warm-up, as for every contestant of ``measure``."""
+    down. ``placed``: placed as rollgen places a TP=1 leader instead (its own placement group of
+    one bundle of ``gpus``, the leader's share of it, a runtime env), by rollgen's own code. The
+    contestant's first call is the warm-up, as for every contestant of ``measure``."""
     import ray
 
-    actor = ray.remote(num_cpus=1, num_gpus=gpus)(InActor).remote(make)
+    from rollgen.distributed.generation import leader_resources
+    from rollgen.distributed.virtual_cluster import RayVirtualCluster
+    from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
+
+    cluster = None
+    if placed:
+        cluster = RayVirtualCluster([1], gpus > 0, 1.0, name="bench-placed", gpus_per_bundle=gpus or 1.0)
+        builder = RayWorkerBuilder(f"{__name__}:PlacedInActor", make)
+        resources = leader_resources(cluster, 1, gpus > 0)
+        actor = RayWorkerGroup(cluster, builder, 1, leader_resources=resources).workers[0]
+    else:
+        actor = ray.remote(num_cpus=1, num_gpus=gpus)(InActor).remote(make)
     ray.get(actor.ready.remote())
 
     def close() -> None:
         ray.get(actor.shutdown.remote())
         ray.kill(actor)
+        if cluster is not None:
+            cluster.shutdown()
 
     return lambda: ray.get(actor.generate.remote()), close
 

@@ -24,7 +24,7 @@ def refit_vs_bucket(results: Path, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     data = load(results, "vllm_gpu_refit_by_bucket")
-    rows = sorted(data["rows"], key=lambda r: r["bucket_mib"])
+    rows = sorted((r for r in data["rows"] if not r.get("default")), key=lambda r: r["bucket_mib"])
     x = [r["bucket_mib"] for r in rows]
     med = [r["refit_ms"] for r in rows]
     err = [

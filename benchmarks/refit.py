@@ -3,6 +3,7 @@ against the physical floor (a device-to-device copy of the same bytes on the sam
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from functools import partial
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import timed, timed_call
-from rollgen.refit import iter_buckets
+from rollgen.refit import default_bucket_bytes, iter_buckets
 
 #: The columns of the printed table.
 COLUMNS = ["bucket_mib", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"]
@@ -43,6 +44,22 @@ def copy_floor(nbytes: int, device: torch.device, repeats: int) -> float:
     return statistics.median(timed(copy) for _ in range(repeats))
 
 
+def add_bucket_argument(parser: argparse.ArgumentParser) -> None:
+    """The runners' ``--bucket-mib`` option."""
+    parser.add_argument(
+        "--bucket-mib",
+        type=int,
+        nargs="+",
+        default=[64, 256, 1024, 4096, 0],
+        help="refit: bucket sizes in MiB; 0: rollgen's default (sized by the GPU's free memory)",
+    )
+
+
+def bucket_bytes(mib: int) -> int | None:
+    """A ``--bucket-mib`` value in bytes; 0: None, rollgen's default for the source."""
+    return mib << 20 if mib else None
+
+
 def measure(
     gen: Any, state: dict[str, torch.Tensor], bucket_mib: list[int], repeats: int
 ) -> list[dict[str, Any]]:
@@ -52,7 +69,7 @@ def measure(
     torch.cuda.empty_cache()
     rows = []
     for mib in bucket_mib:
-        fn = partial(gen.refit, state, bucket_bytes=mib << 20)
+        fn = partial(gen.refit, state, bucket_bytes=bucket_bytes(mib))
         # the first two refits of a bucket layout are warm-ups, timed on their own: an engine that
         # replays load plans records the layout's plan in the first and verifies it in the second
         first, second = timed(fn), timed(fn)
@@ -60,7 +77,8 @@ def measure(
         med = statistics.median(times)
         rows.append(
             {
-                "bucket_mib": mib,
+                "bucket_mib": mib or default_bucket_bytes(state) >> 20,
+                "default": not mib,
                 "tensors": len(unique),
                 "gb": nbytes / 1e9,
                 "refit_ms": med * 1e3,
@@ -86,7 +104,7 @@ def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[s
     generation's private per-bucket step, as only a profile should."""
     pack_s = call_s = map_s = load_s = 0.0
     ways = set()
-    buckets = iter_buckets(state, gen.local_transport, bucket_bytes=bucket_mib << 20)
+    buckets = iter_buckets(state, gen.local_transport, bucket_bytes=bucket_bytes(bucket_mib))
     while True:
         bucket, seconds = timed_call(partial(next, buckets, None))
         pack_s += seconds
@@ -100,7 +118,8 @@ def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[s
         ways.add(leaders[0][0]["way"])
     reset_s = timed(gen._reset_prefix_cache)
     return {
-        "bucket_mib": bucket_mib,
+        "bucket_mib": bucket_mib or default_bucket_bytes(state) >> 20,
+        "default": not bucket_mib,
         "pack_ms": pack_s * 1e3,
         "hop_ms": (call_s - map_s - load_s) * 1e3,
         "map_ms": map_s * 1e3,

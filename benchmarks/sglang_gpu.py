@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="prompts per generate call")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--mem-fraction", type=float, default=0.2, help="each engine's share of the GPU")
-    parser.add_argument("--bucket-mib", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    refit.add_bucket_argument(parser)
     parser.add_argument(
         "--sleep-on-idle",
         action="store_true",

@@ -17,7 +17,8 @@ def measure(name: str, contestants: dict[str, Callable[[], int]], repeats: int) 
     """Each contestant runs the same batch and returns the output tokens it produced (its first
     call, which counts them, is the warm-up); then they alternate. The first contestant is the
     baseline: each other's ``<name>_ratio`` is the median over rounds of its throughput over the
-    baseline's in the same round (paired, so the GPU's drifts between rounds cancel)."""
+    baseline's in the same round (paired, so the GPU's drifts between rounds cancel); every
+    round's seconds are kept (``<name>_times_s``)."""
     tokens = {k: fn() for k, fn in contestants.items()}
     t = alternate(contestants, repeats=repeats, warmup=0)
     base = next(iter(contestants))
@@ -28,6 +29,7 @@ def measure(name: str, contestants: dict[str, Callable[[], int]], repeats: int) 
         row[f"{k}_tok_s_min"] = tokens[k] / t[k]["max_s"]
         row[f"{k}_tok_s_max"] = tokens[k] / t[k]["min_s"]
         row[f"{k}_s"] = t[k]["median_s"]
+        row[f"{k}_times_s"] = t[k]["times"]
         if k != base:
             pairs = zip(t[base]["times"], t[k]["times"], strict=True)
             row[f"{k}_ratio"] = statistics.median(tokens[k] * b / (tokens[base] * c) for b, c in pairs)

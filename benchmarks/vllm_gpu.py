@@ -220,8 +220,9 @@ def sweep(args: argparse.Namespace, model: str) -> dict[str, list]:
 
 
 #: The ablation's variants without ``--each-arg``: raw vLLM given rollgen's engine arguments,
-#: its per-sample SamplingParams, or both; ``worker``: rollgen's own worker in a plain actor.
-COMBINED = ("engine_args", "sample_params", "both", "worker")
+#: its per-sample SamplingParams, or both; ``placed``: both, in an actor placed as rollgen places
+#: its worker; ``worker``: rollgen's own worker in a plain actor.
+COMBINED = ("engine_args", "sample_params", "both", "placed", "worker")
 
 
 def ablation_variants(
@@ -232,25 +233,30 @@ def ablation_variants(
     combined: tuple[str, ...] = COMBINED,
 ) -> tuple[dict[str, tuple[dict[str, Any], bool]], dict[str, Any]]:
     """The ablation's raw-engine contestants (name -> engine arguments, whether it uses rollgen's
-    per-sample SamplingParams) and the engine arguments where rollgen's (``ours``) differ from
-    the raw engine's (``raw``, else vLLM's ``defaults``)."""
+    per-sample SamplingParams, whether its actor is placed as rollgen's) and the engine arguments
+    where rollgen's (``ours``) differ from the raw engine's (``raw``, else vLLM's ``defaults``)."""
     differing = {k: v for k, v in ours.items() if raw.get(k, defaults.get(k)) != v}
-    variants = {"raw_in_actor": (raw, False)}
+    variants = {"raw_in_actor": (raw, False, False)}
     if each_arg:
-        variants.update({f"arg_{k}": ({**raw, k: v}, False) for k, v in differing.items()})
+        variants.update({f"arg_{k}": ({**raw, k: v}, False, False) for k, v in differing.items()})
     else:
-        options = {"engine_args": (ours, False), "sample_params": (raw, True), "both": (ours, True)}
+        options = {
+            "engine_args": (ours, False, False),
+            "sample_params": (raw, True, False),
+            "both": (ours, True, False),
+            "placed": (ours, True, True),
+        }
         variants.update({name: options[name] for name in combined if name in options})
     return variants, differing
 
 
 def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
     """Where a throughput gap between rollgen and raw vLLM comes from: raw vLLM in plain Ray
-    actors on one GPU given rollgen's engine arguments and/or its per-sample SamplingParams, or
-    rollgen's own worker in a plain actor (``--variants``; ``--each-arg``: each engine argument
-    that differs, one at a time), beside rollgen itself; alternating, each against raw vLLM in an
-    actor. With ``--util 0.1``: up to ten engines fit; they start one after another (about a
-    minute each on the H200 host)."""
+    actors on one GPU given rollgen's engine arguments and/or its per-sample SamplingParams, both
+    in an actor placed as rollgen's, or rollgen's own worker in a plain actor (``--variants``;
+    ``--each-arg``: each engine argument that differs, one at a time), beside rollgen itself;
+    alternating, each against raw vLLM in an actor. With ``--util 0.1``: up to ten engines fit;
+    they start one after another (about a minute each on the H200 host)."""
     import dataclasses
 
     import vllm
@@ -269,9 +275,11 @@ def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
         samples = gen.sample_params(batch, greedy=False)
         started = {
             name: in_actor(
-                partial(raw_in_actor, kwargs, prompts, samples if per_sample else None), ABLATION_SHARE
+                partial(raw_in_actor, kwargs, prompts, samples if per_sample else None),
+                ABLATION_SHARE,
+                placed,
             )
-            for name, (kwargs, per_sample) in variants.items()
+            for name, (kwargs, per_sample, placed) in variants.items()
         }
         if "worker" in args.variants and not args.each_arg:
             shard = BatchedDataDict({**batch, "_params": samples})
@@ -325,7 +333,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--util", type=float, default=0.25)
     parser.add_argument("--sweep", type=int, nargs="+", default=[32, 64, 128, 256, 512, 1024])
-    parser.add_argument("--bucket-mib", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    refit.add_bucket_argument(parser)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--loaders", action="store_true", help="refit part: no load-plan replay")
     parser.add_argument(

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
+import pytest
 import torch
 
 from benchmarks import common, refit, scaling, throughput
 from benchmarks.common import PROMPT, rollgen_generate, save_all, workload_batch
+from rollgen.distributed.virtual_cluster import init_ray
 
 
 def test_workload_batch_and_rollgen_contestant_count_generated_tokens() -> None:
@@ -26,21 +29,29 @@ def test_paired_ratio_compares_rounds_and_tokens(monkeypatch) -> None:  # type: 
     round, while the machine slows down from round to round, has a paired ratio of exactly 0.5."""
     clock = [0.0]
     monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
-    durations: list[float] = []
+    calls = [0]
 
-    def fast() -> int:
-        durations.append(1.0 + len(durations))  # each round slower than the last
-        clock[0] += durations[-1]
-        return 100
+    def contestant(cost: float):  # type: ignore[no-untyped-def]
+        def run() -> int:
+            slowdown = 1.0 + calls[0] // 2  # two calls a round (the first counts tokens)
+            calls[0] += 1
+            clock[0] += cost * slowdown
+            return 100
 
-    def slow() -> int:
-        clock[0] += 2 * durations[-1]
-        return 100
+        return run
 
-    row = throughput.measure("m", {"raw": fast, "other": slow}, repeats=3)
+    row = throughput.measure("m", {"raw": contestant(1.0), "other": contestant(2.0)}, repeats=3)
     assert row["tokens_raw"] == row["tokens_other"] == 100
     assert row["other_ratio"] == 0.5
     assert row["raw_tok_s_min"] < row["raw_tok_s"] < row["raw_tok_s_max"]
+    assert row["other_times_s"] == [4.0, 6.0, 8.0]  # kept by round
+
+
+def test_alternate_rotates_the_order_from_round_to_round() -> None:
+    order: list[str] = []
+    fns = {name: partial(order.append, name) for name in "abc"}
+    common.alternate(fns, repeats=4, warmup=0)
+    assert "".join(order) == "abc" + "bca" + "cab" + "abc"
 
 
 def test_scaling_relative_to_first() -> None:
@@ -94,23 +105,29 @@ def test_plots_draw_from_result_files(tmp_path) -> None:  # type: ignore[no-unty
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
-def test_in_actor_runs_the_contestant_in_a_ray_actor() -> None:
+@pytest.mark.parametrize("placed", [False, True])
+def test_in_actor_runs_the_contestant_in_a_ray_actor(placed: bool) -> None:
     """The raw-engine-in-an-actor contestant of the GPU benchmarks, with a counter for engine
-    (defined here so that it travels by value)."""
+    (defined here so that it travels by value); ``placed``: in a placement group, as rollgen's
+    workers are."""
 
     def make() -> tuple:
+        import ray
+
         calls: list[int] = []
+        in_group = ray.util.get_current_placement_group() is not None
 
         def run() -> int:
             calls.append(1)
-            return len(calls)
+            return len(calls) + 100 * in_group
 
         return run, calls.clear
 
-    run, close = common.in_actor(make, gpus=0)
+    init_ray()
+    run, close = common.in_actor(make, gpus=0, placed=placed)
     try:
-        assert run() == 1  # in_actor waited for make() only; the first call is measure's warm-up
-        assert run() == 2
+        assert run() == 1 + 100 * placed  # in_actor waited for make() only; the first call is
+        assert run() == 2 + 100 * placed  # measure's warm-up
     finally:
         close()
 
@@ -124,11 +141,25 @@ def test_ablation_variants_isolate_the_engine_arguments_rollgen_changes() -> Non
     variants, differing = ablation_variants(raw, ours, defaults, each_arg=True)
     assert differing == {"generation_config": "vllm"}  # seed=0 is vLLM's default already
     assert variants == {
-        "raw_in_actor": (raw, False),
-        "arg_generation_config": ({**raw, "generation_config": "vllm"}, False),
+        "raw_in_actor": (raw, False, False),
+        "arg_generation_config": ({**raw, "generation_config": "vllm"}, False, False),
     }
     variants, _ = ablation_variants(raw, ours, defaults, each_arg=False)
-    assert variants["both"] == (ours, True) and variants["sample_params"] == (raw, True)
+    assert variants["both"] == (ours, True, False) and variants["sample_params"] == (raw, True, False)
+    assert variants["placed"] == (ours, True, True)
     assert "worker" not in variants  # rollgen's own worker, started by ablation() itself
     variants, _ = ablation_variants(raw, ours, defaults, each_arg=False, combined=("sample_params",))
     assert list(variants) == ["raw_in_actor", "sample_params"]
+
+
+def test_refit_measure_times_given_and_default_buckets(hf_config: dict) -> None:
+    """The refit benchmark on the in-process HF engine: a bucket of 1 MiB and rollgen's default
+    (``--bucket-mib 0``, a host source: 1 GiB), each a row."""
+    import rollgen
+    from rollgen.refit import DEFAULT_BUCKET_BYTES
+
+    with rollgen.create_generation(hf_config) as gen:
+        state = refit.random_state(gen.weight_spec, torch.device("cpu"), tied=True)
+        rows = refit.measure(gen, state, [1, 0], repeats=1)
+    assert [(r["bucket_mib"], r["default"]) for r in rows] == [(1, False), (DEFAULT_BUCKET_BYTES >> 20, True)]
+    assert all(r["refit_ms"] > 0 and r["gb"] > 0 for r in rows)

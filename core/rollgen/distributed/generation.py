@@ -30,6 +30,18 @@ RAY_ENGINE_DEFAULTS: dict[str, Any] = {
 }
 
 
+def leader_resources(cluster: RayVirtualCluster, tp: int, use_gpus: bool) -> dict[str, float]:
+    """The Ray resources of a tied group's leader actor, taken from its first bundle: on GPU
+    half the bundle (TP > 1: no GPU, the engine's own workers take the group's GPUs), on CPU
+    the bundle's CPUs."""
+    if not use_gpus:
+        return {"num_cpus": cluster.cpus_per_bundle}
+    return {
+        "num_gpus": cluster.gpus_per_bundle / 2 if tp == 1 else 0,
+        "num_cpus": cluster.cpus_per_bundle / 2,
+    }
+
+
 class RayGeneration(BaseGeneration):
     """Data parallelism = number of tied groups; a batch is sharded across their leaders (uneven
     shards allowed, empty ones not sent) and merged back in order.
@@ -81,13 +93,6 @@ class RayGeneration(BaseGeneration):
                 gpus_per_bundle=ecfg["gpus_per_bundle"],
             )
         self.cluster = cluster
-        if self.use_gpus:  # TP > 1: the engine's own workers take the group's GPUs
-            leader = {
-                "num_gpus": cluster.gpus_per_bundle / 2 if tp == 1 else 0,
-                "num_cpus": cluster.cpus_per_bundle / 2,
-            }
-        else:
-            leader = {"num_cpus": cluster.cpus_per_bundle}
         self.local_transport = "cuda_ipc" if self.use_gpus else "shared_memory"
         with ExitStack() as on_failure:  # a failed start frees what it reserved
             on_failure.callback(self._release)
@@ -96,7 +101,7 @@ class RayGeneration(BaseGeneration):
                 RayWorkerBuilder(self.worker_cls, self.cfg, self.use_gpus),
                 tp,
                 name_prefix=f"rollgen-{self.name}",
-                leader_resources=leader,
+                leader_resources=leader_resources(cluster, tp, self.use_gpus),
             )
             self.engine_info = self.group.call_all("ready")
             on_failure.pop_all()
