@@ -129,13 +129,13 @@ class InActor:
     its generate contestant and its close function. It tells what running in a Ray worker
     process costs apart from rollgen's own code."""
 
-    def __init__(self, make: Callable[[], tuple[Callable[[], int], Callable[[], None]]]) -> None:
+    def __init__(self, make: Callable[[], tuple[Callable[[], Any], Callable[[], None]]]) -> None:
         self.run, self.close = make()
 
     def ready(self) -> None:
         """Returns once ``make()`` has run (the engine is up)."""
 
-    def generate(self) -> int:
+    def generate(self) -> Any:
         return self.run()
 
     def shutdown(self) -> None:
@@ -146,13 +146,13 @@ class PlacedInActor(InActor):
     """``InActor`` built by rollgen's ``RayWorkerGroup``, which also passes the tied group and
     index (unused)."""
 
-    def __init__(self, make: Callable[[], tuple[Callable[[], int], Callable[[], None]]], *_: Any) -> None:
+    def __init__(self, make: Callable[[], tuple[Callable[[], Any], Callable[[], None]]], *_: Any) -> None:
         super().__init__(make)
 
 
 def in_actor(
-    make: Callable[[], tuple[Callable[[], int], Callable[[], None]]], gpus: float, placed: bool = False
-) -> tuple[Callable[[], int], Callable[[], None]]:
+    make: Callable[[], tuple[Callable[[], Any], Callable[[], None]]], gpus: float, placed: bool = False
+) -> tuple[Callable[[], Any], Callable[[], None]]:
     """Start ``InActor(make)`` with 1 CPU and ``gpus`` of a GPU and wait until its engine is up
     (engines sharing a GPU start one at a time); its contestant and a function that shuts it
     down. ``placed``: placed as rollgen places a TP=1 leader instead (its own placement group of
@@ -181,6 +181,14 @@ def in_actor(
             cluster.shutdown()
 
     return lambda: ray.get(actor.generate.remote()), close
+
+
+def actor_call(actor: Any, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+    """A contestant that runs ``fn(instance, *args)`` inside a running Ray actor (Ray's
+    ``__ray_call__``), such as rollgen's own worker."""
+    import ray
+
+    return lambda: ray.get(actor.__ray_call__.remote(fn, *args))
 
 
 def save_all(prefix: str, results: dict[str, list[dict[str, Any]]], out_dir: str) -> None:

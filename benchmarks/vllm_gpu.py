@@ -12,6 +12,8 @@ to spend less device time on start-ups.
                                                     # raw vLLM and rollgen, CUDA graphs
     python -m benchmarks.vllm_gpu --part ablation  # one GPU: raw vLLM given rollgen's engine
                                                     # arguments / SamplingParams, beside rollgen
+    python -m benchmarks.vllm_gpu --part profile   # one GPU: the engine core's CPU profile
+                                                    # during a generate, raw vLLM and rollgen
 """
 
 from __future__ import annotations
@@ -27,16 +29,18 @@ from typing import Any
 import torch
 
 import rollgen
-from benchmarks import refit, scaling, sleep_wake, throughput
+from benchmarks import cpu_profile, refit, scaling, sleep_wake, throughput
 from benchmarks.common import (
     GEN,
     PROMPT,
     QWEN25_1P5B,
+    actor_call,
     in_actor,
     print_table,
     qwen25_1p5b_dir,
     rollgen_generate,
     save_all,
+    timed_call,
     workload_batch,
 )
 from rollgen.data import BatchedDataDict
@@ -132,6 +136,32 @@ def worker_in_actor(
 
     worker = VllmWorker(cfg, use_gpus, TiedGroup(0, (0,)), 0)
     return lambda: int(worker.generate(shard)["generation_lengths"].sum()), worker.shutdown
+
+
+def profiled_generate(llm: Any, generate: Callable[[], Any]) -> dict[str, Any]:
+    """One ``generate()`` under a CPU profile of ``llm``'s engine-core step loop (the worker
+    extension's ``rollgen_profile``; the engine needs rollgen's ``worker_extension_cls``)."""
+    llm.collective_rpc("rollgen_profile", args=(True,))
+    _, seconds = timed_call(generate)
+    return {"wall_s": seconds, **llm.collective_rpc("rollgen_profile", args=(False,))[0]}
+
+
+def raw_profiled(
+    kwargs: dict[str, Any], prompts: list[dict[str, list[int]]], samples: list[SampleParams]
+) -> tuple[Callable[[], dict[str, Any]], Callable[[], None]]:
+    """What ``InActor`` builds for the profile part: ``vllm.LLM(**kwargs)`` generating with
+    rollgen's per-sample ``SamplingParams``, each call profiled; and its close."""
+    import vllm
+
+    llm = vllm.LLM(**kwargs)
+    run = raw_generate(llm, prompts, sampling_params(samples))
+    return partial(profiled_generate, llm, run), partial(close_raw, llm)
+
+
+def worker_profiled(worker: Any, shard: BatchedDataDict[Any]) -> dict[str, Any]:
+    """Run inside rollgen's own worker actor (``__ray_call__``): its ``generate(shard)``,
+    profiled."""
+    return profiled_generate(worker.llm, partial(worker.generate, shard))
 
 
 def close_raw(llm: Any) -> None:
@@ -296,6 +326,50 @@ def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
     return results
 
 
+def profile_part(args: argparse.Namespace, model: str) -> dict[str, list]:
+    """Where the engine core's CPU time goes during one generate: raw vLLM with rollgen's
+    engine arguments and per-sample SamplingParams in a plain Ray actor, and rollgen's own
+    worker actor (driven directly, so rollgen's driver is left out), both on one GPU; each
+    generate under cProfile in its engine core's step loop, alternating, ``--repeats`` each
+    after a warm-up. Reports wall and profiled seconds and the functions whose own time differs
+    most (cProfile slows Python-heavy steps: compare the two, not against other parts)."""
+    batch = workload_batch(args.batch)
+    results: dict[str, list] = {"profile": []}
+    for mode in args.modes:
+        gen = rollgen.create_generation(
+            rollgen_config(model, mode == "eager", args.util, gpus_per_bundle=ABLATION_SHARE)
+        )
+        samples = gen.sample_params(batch, greedy=False)
+        make = partial(raw_profiled, engine_kwargs(gen.cfg, True, None), raw_prompts(batch), samples)
+        raw_run, close = in_actor(make, ABLATION_SHARE)
+        shard = BatchedDataDict({**batch, "_params": samples})
+        contestants = {
+            "raw": raw_run,
+            "rollgen": actor_call(gen.group.workers[0], worker_profiled, shard),
+        }
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contestants}
+        for fn in contestants.values():
+            fn()  # warm-up
+        for r in range(args.repeats):
+            for name in list(contestants)[r % 2 :] + list(contestants)[: r % 2]:
+                runs[name].append(contestants[name]())
+        summary = {name: cpu_profile.summarize(rs) for name, rs in runs.items()}
+        diffs = cpu_profile.differences(summary["raw"], summary["rollgen"])
+        row = {
+            "mode": mode,
+            **{f"{name}_{k}": summary[name][k] for name in summary for k in ("wall_s", "profiled_s")},
+            "differences": diffs,
+            "summary": summary,
+        }
+        results["profile"].append(row)
+        print_table([row], ["mode", "raw_wall_s", "rollgen_wall_s", "raw_profiled_s", "rollgen_profiled_s"])
+        print_table(diffs, ["function", "base_ms", "other_ms", "diff_ms"])
+        close()
+        gen.shutdown()
+        save(args, results)
+    return results
+
+
 #: The scaling part's layouts, in the order they run (the first one run is the baseline).
 LAYOUTS: dict[str, dict[str, int]] = {
     "dp1": {},
@@ -363,6 +437,7 @@ PARTS: dict[str, Callable[[argparse.Namespace, str], dict[str, list]]] = {
     "sweep": sweep,
     "scaling": scaling_part,
     "ablation": ablation,
+    "profile": profile_part,
 }
 
 if __name__ == "__main__":

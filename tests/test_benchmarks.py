@@ -163,3 +163,18 @@ def test_refit_measure_times_given_and_default_buckets(hf_config: dict) -> None:
         rows = refit.measure(gen, state, [1, 0], repeats=1)
     assert [(r["bucket_mib"], r["default"]) for r in rows] == [(1, False), (DEFAULT_BUCKET_BYTES >> 20, True)]
     assert all(r["refit_ms"] > 0 and r["gb"] > 0 for r in rows)
+
+
+def test_cpu_profiles_summarize_by_median_and_rank_differences() -> None:
+    from benchmarks import cpu_profile
+
+    def run(wall: float, **own: float) -> dict:
+        top = [{"function": f, "calls": 1, "own_s": s} for f, s in own.items()]
+        return {"wall_s": wall, "profiled_s": sum(own.values()), "top": top}
+
+    base = cpu_profile.summarize([run(1.0, step=0.5, poll=0.1), run(3.0, step=0.7, poll=0.1)])
+    assert base["wall_s"] == 2.0 and base["own_s"] == {"step": 0.6, "poll": 0.1}
+    other = cpu_profile.summarize([run(2.0, step=0.6, copy=0.3)])  # poll absent: 0
+    diffs = cpu_profile.differences(base, other)
+    assert [d["function"] for d in diffs] == ["copy", "poll", "step"]
+    assert diffs[0]["diff_ms"] == 300.0 and diffs[1]["diff_ms"] == -100.0 and abs(diffs[2]["diff_ms"]) < 1e-9

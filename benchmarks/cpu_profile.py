@@ -1,0 +1,41 @@
+"""Comparing CPU profiles of engines' step loops, as the vLLM worker extension's
+``rollgen_profile`` returns them (profiled seconds and the top functions by their own time)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over profiled runs: wall and profiled seconds per generate, and each function's
+    own seconds (0 in a run whose top list lacks it)."""
+    names = {f["function"] for run in runs for f in run["top"]}
+    own = {
+        n: [next((f["own_s"] for f in run["top"] if f["function"] == n), 0.0) for run in runs] for n in names
+    }
+    return {
+        "runs": len(runs),
+        "wall_s": statistics.median(r["wall_s"] for r in runs),
+        "profiled_s": statistics.median(r["profiled_s"] for r in runs),
+        "own_s": {
+            n: statistics.median(v) for n, v in sorted(own.items(), key=lambda kv: -statistics.median(kv[1]))
+        },
+    }
+
+
+def differences(base: dict[str, Any], other: dict[str, Any], top: int = 15) -> list[dict[str, Any]]:
+    """The ``top`` functions whose median own time differs most between two ``summarize``
+    results (``other`` minus ``base``, milliseconds per generate)."""
+    names = set(base["own_s"]) | set(other["own_s"])
+    rows = [
+        {
+            "function": n,
+            "base_ms": 1e3 * base["own_s"].get(n, 0.0),
+            "other_ms": 1e3 * other["own_s"].get(n, 0.0),
+        }
+        for n in names
+    ]
+    for r in rows:
+        r["diff_ms"] = r["other_ms"] - r["base_ms"]
+    return sorted(rows, key=lambda r: -abs(r["diff_ms"]))[:top]
