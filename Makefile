@@ -19,7 +19,7 @@ test: venv lint test-unit test-conformance
 lint:
 	$(VENV)/bin/ruff check core plugins tests benchmarks
 	$(VENV)/bin/ruff format --check core plugins tests benchmarks
-	$(PY) -m mypy core/rollgen
+	$(PY) -m mypy core/rollgen benchmarks
 
 test-unit:
 	$(PY) -m pytest tests -q -rs

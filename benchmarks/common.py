@@ -25,9 +25,7 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def alternate(
-    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
-) -> dict[str, dict[str, float]]:
+def alternate(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[str, dict[str, Any]]:
     """Time each function ``repeats`` times, interleaved, after ``warmup`` rounds; each round
     starts one later than the last (A B C, B C A, C A B, ...) so that no function always runs in
     the same place. Median, min and max seconds per function, and every run's seconds by round

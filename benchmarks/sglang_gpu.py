@@ -124,7 +124,7 @@ def main() -> None:
     model, batch = qwen25_1p5b_dir(), workload_batch(args.batch)
     idle = args.sleep_on_idle
     engine = sglang.Engine(**engine_settings(model, args.mem_fraction, idle))
-    gen = rollgen.create_generation(rollgen_config(model, 2 * args.mem_fraction, idle))
+    gen: Any = rollgen.create_generation(rollgen_config(model, 2 * args.mem_fraction, idle))
     results: dict[str, list[dict[str, Any]]] = {}
 
     def save() -> None:

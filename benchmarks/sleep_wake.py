@@ -4,7 +4,7 @@ weights, then KV cache) beside the raw engine's own calls."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -14,7 +14,7 @@ from benchmarks.common import gpu_used_gib, timed
 COLUMNS = ["engine", "sleep_s", "wake_s", "released_gib", "retaken_gib"]
 
 
-def cycle(sleep: Callable[[], Any], wakes: list[Callable[[], Any]], device: int) -> dict[str, float]:
+def cycle(sleep: Callable[[], Any], wakes: Sequence[Callable[[], Any]], device: int) -> dict[str, float]:
     awake = gpu_used_gib(device)
     t_sleep = timed(sleep)
     asleep = gpu_used_gib(device)
@@ -30,7 +30,7 @@ def cycle(sleep: Callable[[], Any], wakes: list[Callable[[], Any]], device: int)
 
 
 def measure(
-    name: str, sleep: Callable[[], Any], wakes: list[Callable[[], Any]], device: int, repeats: int
+    name: str, sleep: Callable[[], Any], wakes: Sequence[Callable[[], Any]], device: int, repeats: int
 ) -> dict[str, Any]:
     runs = [cycle(sleep, wakes, device) for _ in range(repeats)]
     row: dict[str, Any] = {"engine": name, "cycles": repeats}

@@ -211,7 +211,7 @@ def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     """rollgen's engine (CUDA graphs) for the refit and sleep/wake; raw vLLM's sleep/wake beside.
     ``--loaders`` runs vLLM's weight loaders on every refit instead of replaying load plans."""
     config = rollgen_config(model, False, args.util, gpus_per_bundle=GPU_SHARE, replay_refit=not args.loaders)
-    gen = rollgen.create_generation(config)
+    gen: Any = rollgen.create_generation(config)
     llm = raw_llm(model, False, args.util)
     device = engine_device(gen)
     state = refit.random_state(gen.weight_spec, device, tied=QWEN25_1P5B["tie_word_embeddings"])
@@ -261,7 +261,7 @@ def ablation_variants(
     defaults: dict[str, Any],
     each_arg: bool,
     combined: tuple[str, ...] = COMBINED,
-) -> tuple[dict[str, tuple[dict[str, Any], bool]], dict[str, Any]]:
+) -> tuple[dict[str, tuple[dict[str, Any], bool, bool]], dict[str, Any]]:
     """The ablation's raw-engine contestants (name -> engine arguments, whether it uses rollgen's
     per-sample SamplingParams, whether its actor is placed as rollgen's) and the engine arguments
     where rollgen's (``ours``) differ from the raw engine's (``raw``, else vLLM's ``defaults``)."""
@@ -297,7 +297,7 @@ def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
     results: dict[str, list] = {"ablation": []}
     for mode in args.modes:
         eager = mode == "eager"
-        gen = rollgen.create_generation(
+        gen: Any = rollgen.create_generation(
             rollgen_config(model, eager, args.util, gpus_per_bundle=ABLATION_SHARE)
         )
         raw, ours = raw_kwargs(model, eager, args.util), engine_kwargs(gen.cfg, True, None)
@@ -312,7 +312,7 @@ def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
             for name, (kwargs, per_sample, placed) in variants.items()
         }
         if "worker" in args.variants and not args.each_arg:
-            shard = BatchedDataDict({**batch, "_params": samples})
+            shard: BatchedDataDict[Any] = BatchedDataDict({**batch, "_params": samples})
             started["worker"] = in_actor(partial(worker_in_actor, gen.cfg, shard), ABLATION_SHARE)
         contestants = {name: run for name, (run, _) in started.items()}
         contestants["rollgen"] = rollgen_generate(gen, batch)
@@ -336,13 +336,13 @@ def profile_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     batch = workload_batch(args.batch)
     results: dict[str, list] = {"profile": []}
     for mode in args.modes:
-        gen = rollgen.create_generation(
+        gen: Any = rollgen.create_generation(
             rollgen_config(model, mode == "eager", args.util, gpus_per_bundle=ABLATION_SHARE)
         )
         samples = gen.sample_params(batch, greedy=False)
         make = partial(raw_profiled, engine_kwargs(gen.cfg, True, None), raw_prompts(batch), samples)
         raw_run, close = in_actor(make, ABLATION_SHARE)
-        shard = BatchedDataDict({**batch, "_params": samples})
+        shard: BatchedDataDict[Any] = BatchedDataDict({**batch, "_params": samples})
         contestants = {
             "raw": raw_run,
             "rollgen": actor_call(gen.group.workers[0], worker_profiled, shard),
