@@ -28,20 +28,28 @@ def machine() -> dict[str, Any]:
 def alternate(fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[str, dict[str, Any]]:
     """Time each function ``repeats`` times, interleaved, after ``warmup`` rounds; each round
     starts one later than the last (A B C, B C A, C A B, ...) so that no function always runs in
-    the same place. Median, min and max seconds per function, and every run's seconds by round
-    (``times``)."""
+    the same place. Median, min and max seconds per function, and every run's seconds and return
+    value by round (``times``, ``results``)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     names = list(fns)
     times: dict[str, list[float]] = {k: [] for k in fns}
+    results: dict[str, list[Any]] = {k: [] for k in fns}
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             t = time.perf_counter()
-            fns[name]()
+            results[name].append(fns[name]())
             times[name].append(time.perf_counter() - t)
     return {
-        k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": len(v), "times": v}
+        k: {
+            "median_s": statistics.median(v),
+            "min_s": min(v),
+            "max_s": max(v),
+            "runs": len(v),
+            "times": v,
+            "results": results[k],
+        }
         for k, v in times.items()
     }
 

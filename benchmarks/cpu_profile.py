@@ -9,18 +9,14 @@ from typing import Any
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over profiled runs: wall and profiled seconds per generate, and each function's
-    own seconds (0 in a run whose top list lacks it)."""
-    names = {f["function"] for run in runs for f in run["top"]}
-    own = {
-        n: [next((f["own_s"] for f in run["top"] if f["function"] == n), 0.0) for run in runs] for n in names
-    }
+    own seconds (0 in a run whose top list lacks it), largest first."""
+    by_run = [{f["function"]: f["own_s"] for f in run["top"]} for run in runs]
+    own = {n: statistics.median(r.get(n, 0.0) for r in by_run) for n in set().union(*by_run)}
     return {
         "runs": len(runs),
         "wall_s": statistics.median(r["wall_s"] for r in runs),
         "profiled_s": statistics.median(r["profiled_s"] for r in runs),
-        "own_s": {
-            n: statistics.median(v) for n, v in sorted(own.items(), key=lambda kv: -statistics.median(kv[1]))
-        },
+        "own_s": dict(sorted(own.items(), key=lambda kv: -kv[1])),
     }
 
 

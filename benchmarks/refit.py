@@ -60,6 +60,12 @@ def bucket_bytes(mib: int) -> int | None:
     return mib << 20 if mib else None
 
 
+def bucket_fields(mib: int, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A result row's bucket size in MiB (for ``0``, the size rollgen's default picks for
+    ``state``) and whether it was the default."""
+    return {"bucket_mib": mib or default_bucket_bytes(state) >> 20, "default": not mib}
+
+
 def measure(
     gen: Any, state: dict[str, torch.Tensor], bucket_mib: list[int], repeats: int
 ) -> list[dict[str, Any]]:
@@ -77,8 +83,7 @@ def measure(
         med = statistics.median(times)
         rows.append(
             {
-                "bucket_mib": mib or default_bucket_bytes(state) >> 20,
-                "default": not mib,
+                **bucket_fields(mib, state),
                 "tensors": len(unique),
                 "gb": nbytes / 1e9,
                 "refit_ms": med * 1e3,
@@ -118,8 +123,7 @@ def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[s
         ways.add(leaders[0][0]["way"])
     reset_s = timed(gen._reset_prefix_cache)
     return {
-        "bucket_mib": bucket_mib or default_bucket_bytes(state) >> 20,
-        "default": not bucket_mib,
+        **bucket_fields(bucket_mib, state),
         "pack_ms": pack_s * 1e3,
         "hop_ms": (call_s - map_s - load_s) * 1e3,
         "map_ms": map_s * 1e3,

@@ -35,6 +35,7 @@ from benchmarks.common import (
     PROMPT,
     QWEN25_1P5B,
     actor_call,
+    alternate,
     in_actor,
     print_table,
     qwen25_1p5b_dir,
@@ -347,13 +348,8 @@ def profile_part(args: argparse.Namespace, model: str) -> dict[str, list]:
             "raw": raw_run,
             "rollgen": actor_call(gen.group.workers[0], worker_profiled, shard),
         }
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in contestants}
-        for fn in contestants.values():
-            fn()  # warm-up
-        for r in range(args.repeats):
-            for name in list(contestants)[r % 2 :] + list(contestants)[: r % 2]:
-                runs[name].append(contestants[name]())
-        summary = {name: cpu_profile.summarize(rs) for name, rs in runs.items()}
+        rounds = alternate(contestants, repeats=args.repeats)
+        summary = {name: cpu_profile.summarize(r["results"]) for name, r in rounds.items()}
         diffs = cpu_profile.differences(summary["raw"], summary["rollgen"])
         row = {
             "mode": mode,
