@@ -9,9 +9,9 @@ from typing import Any
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over profiled runs: wall and profiled seconds per generate, and each function's
-    own seconds (0 in a run whose top list lacks it), largest first."""
+    own seconds over the runs whose top list has it, largest first."""
     by_run = [{f["function"]: f["own_s"] for f in run["top"]} for run in runs]
-    own = {n: statistics.median(r.get(n, 0.0) for r in by_run) for n in set().union(*by_run)}
+    own = {n: statistics.median(r[n] for r in by_run if n in r) for n in set().union(*by_run)}
     return {
         "runs": len(runs),
         "wall_s": statistics.median(r["wall_s"] for r in runs),
@@ -22,15 +22,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def differences(base: dict[str, Any], other: dict[str, Any], top: int = 15) -> list[dict[str, Any]]:
     """The ``top`` functions whose median own time differs most between two ``summarize``
-    results (``other`` minus ``base``, milliseconds per generate)."""
-    names = set(base["own_s"]) | set(other["own_s"])
+    results (``other`` minus ``base``, milliseconds per generate). Only functions in both: one
+    missing from a side's top lists took less than that list's last entry, not nothing."""
+    names = set(base["own_s"]) & set(other["own_s"])
     rows = [
-        {
-            "function": n,
-            "base_ms": 1e3 * base["own_s"].get(n, 0.0),
-            "other_ms": 1e3 * other["own_s"].get(n, 0.0),
-        }
-        for n in names
+        {"function": n, "base_ms": 1e3 * base["own_s"][n], "other_ms": 1e3 * other["own_s"][n]} for n in names
     ]
     for r in rows:
         r["diff_ms"] = r["other_ms"] - r["base_ms"]

@@ -14,7 +14,7 @@ from benchmarks.common import timed, timed_call
 from rollgen.refit import default_bucket_bytes, iter_buckets
 
 #: The columns of the printed table.
-COLUMNS = ["bucket_mib", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"]
+COLUMNS = ["bucket_mib", "default", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"]
 #: Names a model with ``tie_word_embeddings`` holds as one tensor (its state dict lists both).
 TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 

@@ -31,9 +31,15 @@ def measure(name: str, contestants: dict[str, Callable[[], int]], repeats: int) 
         row[f"{k}_s"] = t[k]["median_s"]
         row[f"{k}_times_s"] = t[k]["times"]
         if k != base:
-            pairs = zip(t[base]["times"], t[k]["times"], strict=True)
-            row[f"{k}_ratio"] = statistics.median(tokens[k] * b / (tokens[base] * c) for b, c in pairs)
+            row[f"{k}_ratio"] = statistics.median(
+                paired_ratios(tokens[base], t[base]["times"], tokens[k], t[k]["times"])
+            )
     return row
+
+
+def paired_ratios(base_tokens: int, base_s: list[float], tokens: int, seconds: list[float]) -> list[float]:
+    """A contestant's throughput over the baseline's, round by round (seconds by round)."""
+    return [tokens * b / (base_tokens * c) for b, c in zip(base_s, seconds, strict=True)]
 
 
 def own_work_ms(batch: int, prompt: int, gen: int, repeats: int = 5) -> float:

@@ -172,9 +172,33 @@ def test_cpu_profiles_summarize_by_median_and_rank_differences() -> None:
         top = [{"function": f, "calls": 1, "own_s": s} for f, s in own.items()]
         return {"wall_s": wall, "profiled_s": sum(own.values()), "top": top}
 
-    base = cpu_profile.summarize([run(1.0, step=0.5, poll=0.1), run(3.0, step=0.7, poll=0.1)])
-    assert base["wall_s"] == 2.0 and base["own_s"] == {"step": 0.6, "poll": 0.1}
-    other = cpu_profile.summarize([run(2.0, step=0.6, copy=0.3)])  # poll absent: 0
-    diffs = cpu_profile.differences(base, other)
-    assert [d["function"] for d in diffs] == ["copy", "poll", "step"]
-    assert diffs[0]["diff_ms"] == 300.0 and diffs[1]["diff_ms"] == -100.0 and abs(diffs[2]["diff_ms"]) < 1e-9
+    base = cpu_profile.summarize([run(1.0, step=0.5, poll=0.1, copy=0.2), run(3.0, step=0.7, poll=0.1)])
+    assert base["wall_s"] == 2.0 and base["own_s"] == {"step": 0.6, "copy": 0.2, "poll": 0.1}
+    other = cpu_profile.summarize([run(2.0, step=0.6, copy=0.5, send=0.3)])
+    diffs = cpu_profile.differences(base, other)  # poll and send are each in one side's lists only
+    assert [d["function"] for d in diffs] == ["copy", "step"]
+    assert abs(diffs[0]["diff_ms"] - 300.0) < 1e-9 and abs(diffs[1]["diff_ms"]) < 1e-9
+
+
+def test_pooled_ratios_take_each_rows_baseline_and_bound_the_median(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from benchmarks import pooled
+
+    def row(base: str, base_s: list[float], ours_s: list[float]) -> dict:
+        return {
+            "mode": "eager",
+            f"tokens_{base}": 10,
+            f"{base}_times_s": base_s,
+            "tokens_rollgen": 10,
+            "rollgen_times_s": ours_s,
+        }
+
+    save_all("a", {"t": [row("raw", [1.0, 1.0, 2.0], [2.0, 1.0, 2.0])]}, str(tmp_path))
+    save_all("b", {"t": [row("raw_in_actor", [1.0, 3.0], [1.0, 2.0])]}, str(tmp_path))
+    rows = pooled.pool([tmp_path / "a_t.json", tmp_path / "b_t.json"], "rollgen", ["raw", "raw_in_actor"])
+    assert [r["baseline"] for r in rows] == ["raw", "raw_in_actor", "-"]
+    assert [r["rounds"] for r in rows] == [3, 2, 5]
+    assert rows[0]["median"] == 1.0 and rows[-1]["median"] == 1.0  # ratios 0.5 1 1 | 1 1.5
+    assert rows[-1]["ci95_low"] <= 1.0 <= rows[-1]["ci95_high"] and rows[-1]["ci95_low"] >= 0.5
+    assert pooled.median_interval([0.9] * 4) == (0.9, 0.9)
+    with pytest.raises(ValueError, match="per-round times"):
+        pooled.row_ratios({"mode": "eager", "rollgen_s": 1.0}, "rollgen", ["raw"])
