@@ -411,10 +411,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--variants",
-        nargs="+",
+        nargs="*",
         default=list(COMBINED),
         choices=COMBINED,
-        help="ablation part, without --each-arg",
+        help="ablation part, without --each-arg (none: raw vLLM in an actor against rollgen only)",
     )
     parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args()
