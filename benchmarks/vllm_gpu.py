@@ -115,15 +115,19 @@ def raw_generate(llm: Any, prompts: list[dict[str, list[int]]], params: Any = No
 
 
 def raw_in_actor(
-    kwargs: dict[str, Any], prompts: list[dict[str, list[int]]], samples: list[SampleParams] | None = None
-) -> tuple[Callable[[], int], Callable[[], None]]:
+    kwargs: dict[str, Any],
+    prompts: list[dict[str, list[int]]],
+    samples: list[SampleParams] | None = None,
+    profiled: bool = False,
+) -> tuple[Callable[[], Any], Callable[[], None]]:
     """What ``InActor`` builds: ``vllm.LLM(**kwargs)``'s contestant, generating with one shared
-    ``SamplingParams`` (``samples`` None) or with rollgen's per-sample ones, and its close."""
+    ``SamplingParams`` (``samples`` None) or with rollgen's per-sample ones, each call profiled
+    (``profiled_generate``) if asked; and its close."""
     import vllm
 
     llm = vllm.LLM(**kwargs)
-    params = None if samples is None else sampling_params(samples)
-    return raw_generate(llm, prompts, params), partial(close_raw, llm)
+    run = raw_generate(llm, prompts, None if samples is None else sampling_params(samples))
+    return (partial(profiled_generate, llm, run) if profiled else run), partial(close_raw, llm)
 
 
 def worker_in_actor(
@@ -145,18 +149,6 @@ def profiled_generate(llm: Any, generate: Callable[[], Any]) -> dict[str, Any]:
     llm.collective_rpc("rollgen_profile", args=(True,))
     _, seconds = timed_call(generate)
     return {"wall_s": seconds, **llm.collective_rpc("rollgen_profile", args=(False,))[0]}
-
-
-def raw_profiled(
-    kwargs: dict[str, Any], prompts: list[dict[str, list[int]]], samples: list[SampleParams]
-) -> tuple[Callable[[], dict[str, Any]], Callable[[], None]]:
-    """What ``InActor`` builds for the profile part: ``vllm.LLM(**kwargs)`` generating with
-    rollgen's per-sample ``SamplingParams``, each call profiled; and its close."""
-    import vllm
-
-    llm = vllm.LLM(**kwargs)
-    run = raw_generate(llm, prompts, sampling_params(samples))
-    return partial(profiled_generate, llm, run), partial(close_raw, llm)
 
 
 def worker_profiled(worker: Any, shard: BatchedDataDict[Any]) -> dict[str, Any]:
@@ -341,7 +333,7 @@ def profile_part(args: argparse.Namespace, model: str) -> dict[str, list]:
             rollgen_config(model, mode == "eager", args.util, gpus_per_bundle=ABLATION_SHARE)
         )
         samples = gen.sample_params(batch, greedy=False)
-        make = partial(raw_profiled, engine_kwargs(gen.cfg, True, None), raw_prompts(batch), samples)
+        make = partial(raw_in_actor, engine_kwargs(gen.cfg, True, None), raw_prompts(batch), samples, True)
         raw_run, close = in_actor(make, ABLATION_SHARE)
         shard: BatchedDataDict[Any] = BatchedDataDict({**batch, "_params": samples})
         contestants = {

@@ -106,12 +106,14 @@ def test_engine_core_profiles_of_raw_vllm_and_of_rollgens_worker(dp1, batch: dic
     extension's ``rollgen_profile``); the profiles compare function by function."""
     from benchmarks import cpu_profile
     from benchmarks.common import actor_call, in_actor
-    from benchmarks.vllm_gpu import raw_profiled, raw_prompts, worker_profiled
+    from benchmarks.vllm_gpu import raw_in_actor, raw_prompts, worker_profiled
     from rollgen_vllm.worker import engine_kwargs
 
     shard = rollgen.BatchedDataDict(batch)
     shard["_params"] = dp1.sample_params(shard, greedy=True)
-    make = partial(raw_profiled, engine_kwargs(dp1.cfg, False, None), raw_prompts(batch), shard["_params"])
+    make = partial(
+        raw_in_actor, engine_kwargs(dp1.cfg, False, None), raw_prompts(batch), shard["_params"], True
+    )
     run, close = in_actor(make, gpus=0)
     try:
         raw = run()
