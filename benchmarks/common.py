@@ -173,7 +173,7 @@ def in_actor(
     cluster = None
     if placed:
         cluster = RayVirtualCluster([1], gpus > 0, 1.0, name="bench-placed", gpus_per_bundle=gpus or 1.0)
-        builder = RayWorkerBuilder(f"{__name__}:PlacedInActor", make)
+        builder = RayWorkerBuilder(f"{__name__}:PlacedInActor", lambda group, i: (make, group, i))
         resources = leader_resources(cluster, 1, gpus > 0)
         actor = RayWorkerGroup(cluster, builder, 1, leader_resources=resources).workers[0]
     else:
@@ -187,14 +187,6 @@ def in_actor(
             cluster.shutdown()
 
     return lambda: ray.get(actor.generate.remote()), close
-
-
-def actor_call(actor: Any, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
-    """A contestant that runs ``fn(instance, *args)`` inside a running Ray actor (Ray's
-    ``__ray_call__``), such as rollgen's own worker."""
-    import ray
-
-    return lambda: ray.get(actor.__ray_call__.remote(fn, *args))
 
 
 def save_all(prefix: str, results: dict[str, list[dict[str, Any]]], out_dir: str) -> None:

@@ -15,13 +15,19 @@ from typing import Any
 import torch
 
 from benchmarks.common import alternate, print_table, write_results
+from rollgen.config import validate_config
 from rollgen.data import BatchedDataDict
+from rollgen.distributed.worker import GenerateRequest
 from rollgen.output import assemble_from_lists
 from rollgen.sampling import resolve_sampling
-from rollgen.spec import CONFIG_DEFAULTS
+from rollgen.spec import GenerationConfig
 from rollgen.validation import validate_generation_input
 
 PAD = 0
+#: A config with every default (what the core resolves per-sample settings from).
+CONFIG = validate_config(
+    {"backend": "none", "model_name": "none", "max_new_tokens": 4096, "pad_token_id": PAD}, GenerationConfig
+)
 SHAPES = [(8, 128, 128), (256, 128, 256), (256, 1024, 1024), (1024, 2048, 2048)]
 
 
@@ -38,17 +44,15 @@ def make_call(batch: int, prompt: int, gen: int, seed: int = 0) -> tuple[dict[st
 
 
 def rollgen_call(data: dict[str, torch.Tensor], tokens: list, logprobs: list, dp: int) -> Any:
-    cfg = {**CONFIG_DEFAULTS, "max_new_tokens": 4096, "pad_token_id": PAD}
     batch = validate_generation_input(data, pad_token_id=PAD, vocab_size=32000, max_model_len=16384)
-    batch["_params"] = resolve_sampling(cfg, batch, greedy=False, max_model_len=16384)
-    shards = batch.shard_by_batch_size(dp, allow_uneven_shards=True)
+    params = resolve_sampling(CONFIG, batch, greedy=False, max_model_len=16384)
     outs, start = [], 0
-    for shard in shards:  # what each data-parallel leader does with its engine's results
-        n = shard.size
+    for request in GenerateRequest.shards(batch, params, dp):  # each data-parallel leader's work
+        n = len(request)
         outs.append(
             assemble_from_lists(
-                shard["input_ids"],
-                shard["input_lengths"],
+                request.input_ids,
+                request.input_lengths,
                 tokens[start : start + n],
                 logprobs[start : start + n],
                 PAD,

@@ -100,13 +100,12 @@ def measure(
 
 
 def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[str, Any]:
-    """Where one refit's time goes, bucket by bucket, through the backend's own steps: packing
-    (flat copy and handles, in this process), the hop to the engine (pickling, Ray call, the
-    engine's RPC to its workers), the engine mapping the bucket and its weight loaders;
-    ``loaded_by`` says whether the engine replayed a load plan. ``reset_ms`` is the prefix-cache
-    reset, timed on its own: a refit pays it only when a generate ran since the last reset or
-    sleep (not in ``total_ms``, nor in ``measure``'s refits, which follow no generate). Calls the
-    generation's private per-bucket step, as only a profile should."""
+    """Where one refit's time goes, bucket by bucket, through rollgen's public steps: packing
+    (``iter_buckets``: flat copy and handles, in this process), the hop to the engine
+    (``update_weights`` of one bucket: pickling, the Ray call, the engine's RPC to its workers,
+    less what the workers report), the engine mapping the bucket and its weight loaders (the
+    benchmarks' worker extension times them on TP rank 0 of the first engine); ``loaded_by``
+    says whether the engine replayed a load plan. The engine needs ``vllm_ext.EXTENSION``."""
     pack_s = call_s = map_s = load_s = 0.0
     ways = set()
     buckets = iter_buckets(state, gen.local_transport, bucket_bytes=bucket_bytes(bucket_mib))
@@ -115,20 +114,29 @@ def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[s
         pack_s += seconds
         if bucket is None:
             break
-        leaders, seconds = timed_call(partial(gen._apply_bucket, bucket))
-        call_s += seconds
+        call_s += timed(partial(gen.update_weights, bucket))
         del bucket
-        map_s += leaders[0][0]["map_s"]  # leader 0, TP rank 0
-        load_s += leaders[0][0]["load_s"]
-        ways.add(leaders[0][0]["way"])
-    reset_s = timed(gen._reset_prefix_cache)
+        rank0 = gen.collective_rpc("bench_last_load")[0][0]
+        map_s += rank0["map_s"]
+        load_s += rank0["load_s"]
+        ways.add(rank0["way"])
     return {
         **bucket_fields(bucket_mib, state),
         "pack_ms": pack_s * 1e3,
         "hop_ms": (call_s - map_s - load_s) * 1e3,
         "map_ms": map_s * 1e3,
         "load_ms": load_s * 1e3,
-        "reset_ms": reset_s * 1e3,
         "total_ms": (pack_s + call_s) * 1e3,
         "loaded_by": "/".join(sorted(ways)),
     }
+
+
+def after_generate(gen: Any, state: dict[str, torch.Tensor], batch: Any, repeats: int) -> dict[str, Any]:
+    """A refit at the default bucket that follows a generate without a sleep between, as a
+    trainer that does not sleep the engine runs it: rollgen then resets the prefix cache too
+    (``measure``'s refits follow no generate)."""
+    times = []
+    for _ in range(repeats):
+        gen.generate(batch, greedy=True)
+        times.append(timed(partial(gen.refit, state)))
+    return {**bucket_fields(0, state), "refit_after_generate_ms": statistics.median(times) * 1e3}

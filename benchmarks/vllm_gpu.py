@@ -34,7 +34,6 @@ from benchmarks.common import (
     GEN,
     PROMPT,
     QWEN25_1P5B,
-    actor_call,
     alternate,
     in_actor,
     print_table,
@@ -44,7 +43,9 @@ from benchmarks.common import (
     timed_call,
     workload_batch,
 )
+from benchmarks.vllm_ext import EXTENSION
 from rollgen.data import BatchedDataDict
+from rollgen.distributed import GenerateRequest, WorkerSpec
 from rollgen.refit import device_uuid
 from rollgen.sampling import SampleParams
 from rollgen_vllm.worker import engine_kwargs, sampling_params
@@ -56,6 +57,13 @@ ABLATION_SHARE = 0.1
 
 
 def rollgen_config(model: str, eager: bool, util: float, **vllm_cfg: Any) -> dict[str, Any]:
+    """rollgen's config for the workload, with the benchmarks' worker extension. Compiled
+    tensor-parallel engines get vLLM's all-reduce + RMSNorm fusion off: on Hopper it uses
+    FlashInfer's NVLink-multicast all-reduce, and the lent H200s run with multicast off (a
+    compiled TP=2 engine hung at start there; docs/gpu-results.md)."""
+    kwargs: dict[str, Any] = {"skip_tokenizer_init": True, "worker_extension_cls": EXTENSION}
+    if not eager and vllm_cfg.get("tensor_parallel_size", 1) > 1:
+        kwargs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     return {
         "backend": "vllm",
         "model_name": model,
@@ -68,7 +76,7 @@ def rollgen_config(model: str, eager: bool, util: float, **vllm_cfg: Any) -> dic
             "enforce_eager": eager,
             **vllm_cfg,
         },
-        "vllm_kwargs": {"skip_tokenizer_init": True},
+        "vllm_kwargs": kwargs,
     }
 
 
@@ -85,6 +93,7 @@ def raw_kwargs(model: str, eager: bool, util: float) -> dict[str, Any]:
         "enable_sleep_mode": True,
         "max_model_len": QWEN25_1P5B["max_position_embeddings"],
         "disable_log_stats": True,
+        "worker_extension_cls": EXTENSION,
     }
 
 
@@ -127,34 +136,41 @@ def raw_in_actor(
 
     llm = vllm.LLM(**kwargs)
     run = raw_generate(llm, prompts, None if samples is None else sampling_params(samples))
-    return (partial(profiled_generate, llm, run) if profiled else run), partial(close_raw, llm)
+    return (partial(profiled_generate, raw_rpc(llm), run) if profiled else run), partial(close_raw, llm)
 
 
 def worker_in_actor(
-    cfg: dict[str, Any], shard: BatchedDataDict[Any], use_gpus: bool = True
+    spec: WorkerSpec, request: GenerateRequest
 ) -> tuple[Callable[[], int], Callable[[], None]]:
     """What ``InActor`` builds for the ablation's ``worker`` variant: rollgen's own ``VllmWorker``
-    (TP=1), given the shard rollgen's driver sends it, in a plain Ray actor instead of rollgen's
-    placement-group actor; its contestant (generated tokens) and its close."""
-    from rollgen.distributed.worker_groups import TiedGroup
+    (TP=1), started from the spec rollgen's driver gives its worker and given the request it
+    sends, in a plain Ray actor instead of rollgen's placement-group actor; its contestant
+    (generated tokens) and its close."""
     from rollgen_vllm.worker import VllmWorker
 
-    worker = VllmWorker(cfg, use_gpus, TiedGroup(0, (0,)), 0)
-    return lambda: int(worker.generate(shard)["generation_lengths"].sum()), worker.shutdown
+    worker = VllmWorker(spec)
+    return lambda: int(worker.generate(request)["generation_lengths"].sum()), worker.shutdown
 
 
-def profiled_generate(llm: Any, generate: Callable[[], Any]) -> dict[str, Any]:
-    """One ``generate()`` under a CPU profile of ``llm``'s engine-core step loop (the worker
-    extension's ``rollgen_profile``; the engine needs rollgen's ``worker_extension_cls``)."""
-    llm.collective_rpc("rollgen_profile", args=(True,))
+def profiled_generate(rpc: Callable[..., Any], generate: Callable[[], Any]) -> dict[str, Any]:
+    """One ``generate()`` under a CPU profile of the engine-core step loop of TP rank 0 of the
+    first engine, asked through ``rpc`` (a ``collective_rpc``; the engine needs the benchmarks'
+    worker extension)."""
+    rpc("bench_profile", True)
     _, seconds = timed_call(generate)
-    return {"wall_s": seconds, **llm.collective_rpc("rollgen_profile", args=(False,))[0]}
+    return {"wall_s": seconds, **first_rank(rpc("bench_profile", False))}
 
 
-def worker_profiled(worker: Any, shard: BatchedDataDict[Any]) -> dict[str, Any]:
-    """Run inside rollgen's own worker actor (``__ray_call__``): its ``generate(shard)``,
-    profiled."""
-    return profiled_generate(worker.llm, partial(worker.generate, shard))
+def first_rank(answers: list[Any]) -> Any:
+    """TP rank 0's answer of the first engine: ``vllm.LLM.collective_rpc`` answers per rank,
+    ``VllmGeneration.collective_rpc`` per engine, then per rank."""
+    first = answers[0]
+    return first[0] if isinstance(first, list) else first
+
+
+def raw_rpc(llm: Any) -> Callable[..., Any]:
+    """``llm.collective_rpc`` called as ``VllmGeneration.collective_rpc`` is."""
+    return lambda method, *args: llm.collective_rpc(method, args=args)
 
 
 def close_raw(llm: Any) -> None:
@@ -165,7 +181,7 @@ def close_raw(llm: Any) -> None:
 
 def engine_device(gen: Any) -> torch.device:
     """The local CUDA device the (TP=1) engine runs on, found by its GPU's UUID."""
-    uuid = gen.group.call_all("device_uuids")[0][0]
+    uuid = first_rank(gen.collective_rpc("bench_device_uuid"))
     for i in range(torch.cuda.device_count()):
         if device_uuid(i) == uuid:
             return torch.device("cuda", i)
@@ -210,10 +226,12 @@ def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     state = refit.random_state(gen.weight_spec, device, tied=QWEN25_1P5B["tie_word_embeddings"])
     refits = refit.measure(gen, state, args.bucket_mib, args.repeats)
     profiles = [refit.profile(gen, state, mib) for mib in args.bucket_mib]
+    after = [refit.after_generate(gen, state, workload_batch(1), args.repeats)]
     del state
     torch.cuda.empty_cache()
     print_table(refits, refit.COLUMNS)
     print_table(profiles, list(profiles[0]))
+    print_table(after, list(after[0]))
     sleeps = [
         sleep_wake.measure_rollgen(gen, device.index, args.repeats),
         sleep_wake.measure("raw", partial(llm.sleep, level=1), [llm.wake_up], device.index, args.repeats),
@@ -221,7 +239,7 @@ def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     print_table(sleeps, sleep_wake.COLUMNS)
     gen.shutdown()
     close_raw(llm)
-    return {"by_bucket": refits, "profile": profiles, "sleep_wake": sleeps}
+    return {"by_bucket": refits, "profile": profiles, "after_generate": after, "sleep_wake": sleeps}
 
 
 def sweep(args: argparse.Namespace, model: str) -> dict[str, list]:
@@ -293,7 +311,7 @@ def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
         gen: Any = rollgen.create_generation(
             rollgen_config(model, eager, args.util, gpus_per_bundle=ABLATION_SHARE)
         )
-        raw, ours = raw_kwargs(model, eager, args.util), engine_kwargs(gen.cfg, True, None)
+        raw, ours = raw_kwargs(model, eager, args.util), engine_kwargs(gen.worker_specs[0], None)
         variants, differing = ablation_variants(raw, ours, defaults, args.each_arg, tuple(args.variants))
         samples = gen.sample_params(batch, greedy=False)
         started = {
@@ -305,8 +323,10 @@ def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
             for name, (kwargs, per_sample, placed) in variants.items()
         }
         if "worker" in args.variants and not args.each_arg:
-            shard: BatchedDataDict[Any] = BatchedDataDict({**batch, "_params": samples})
-            started["worker"] = in_actor(partial(worker_in_actor, gen.cfg, shard), ABLATION_SHARE)
+            request = GenerateRequest.shards(BatchedDataDict(batch), samples, 1)[0]
+            started["worker"] = in_actor(
+                partial(worker_in_actor, gen.worker_specs[0], request), ABLATION_SHARE
+            )
         contestants = {name: run for name, (run, _) in started.items()}
         contestants["rollgen"] = rollgen_generate(gen, batch)
         row = {**throughput.measure(mode, contestants, args.repeats), "differing_args": differing}
@@ -321,11 +341,11 @@ def ablation(args: argparse.Namespace, model: str) -> dict[str, list]:
 
 def profile_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     """Where the engine core's CPU time goes during one generate: raw vLLM with rollgen's
-    engine arguments and per-sample SamplingParams in a plain Ray actor, and rollgen's own
-    worker actor (driven directly, so rollgen's driver is left out), both on one GPU; each
-    generate under cProfile in its engine core's step loop, alternating, ``--repeats`` each
-    after a warm-up. Reports wall and profiled seconds and the functions whose own time differs
-    most (cProfile slows Python-heavy steps: compare the two, not against other parts)."""
+    engine arguments and per-sample SamplingParams in a plain Ray actor, and rollgen, both on
+    one GPU; each generate under cProfile in its engine core's step loop (asked through
+    ``collective_rpc``), alternating, ``--repeats`` each after a warm-up. Reports wall and
+    profiled seconds and the functions whose own time differs most (cProfile slows Python-heavy
+    steps: compare the two, not against other parts)."""
     batch = workload_batch(args.batch)
     results: dict[str, list] = {"profile": []}
     for mode in args.modes:
@@ -333,12 +353,13 @@ def profile_part(args: argparse.Namespace, model: str) -> dict[str, list]:
             rollgen_config(model, mode == "eager", args.util, gpus_per_bundle=ABLATION_SHARE)
         )
         samples = gen.sample_params(batch, greedy=False)
-        make = partial(raw_in_actor, engine_kwargs(gen.cfg, True, None), raw_prompts(batch), samples, True)
-        raw_run, close = in_actor(make, ABLATION_SHARE)
-        shard: BatchedDataDict[Any] = BatchedDataDict({**batch, "_params": samples})
-        contestants = {
+        kwargs = engine_kwargs(gen.worker_specs[0], None)
+        raw_run, close = in_actor(
+            partial(raw_in_actor, kwargs, raw_prompts(batch), samples, True), ABLATION_SHARE
+        )
+        contestants: dict[str, Callable[[], Any]] = {
             "raw": raw_run,
-            "rollgen": actor_call(gen.group.workers[0], worker_profiled, shard),
+            "rollgen": partial(profiled_generate, gen.collective_rpc, rollgen_generate(gen, batch)),
         }
         rounds = alternate(contestants, repeats=args.repeats)
         summary = {name: cpu_profile.summarize(r["results"]) for name, r in rounds.items()}

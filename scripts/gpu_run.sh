@@ -31,5 +31,6 @@ if [ ! -d "$rg/rollgen" ]; then
   python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$rg.$$" . || exit 1
   mv -T "$rg.$$" "$rg" 2>/dev/null || rm -rf "$rg.$$"  # a parallel run may have won
 fi
-export PYTHONPATH=$rg:$PYTHONPATH
+# $PWD last: engine processes import the benchmarks' worker extension (benchmarks.vllm_ext)
+export PYTHONPATH=$rg:$PYTHONPATH:$PWD
 "$@"

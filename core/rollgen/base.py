@@ -1,5 +1,4 @@
-"""``GenerationInterface`` (the contract) and ``BaseGeneration`` (the behaviour every backend
-shares: validation, per-sample settings, seeds, wake/sleep state, refit checks, the text path)."""
+"""``BaseGeneration``: the behaviour every backend shares, over a few engine hooks."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import Any
 import torch
 
 from rollgen import refit as refit_mod
-from rollgen.data import BatchedDataDict
+from rollgen.data import BatchedDataDict, right_pad
 from rollgen.errors import EngineAsleep, EngineClosed, InputError, RefitError, UnsupportedCapability
 from rollgen.model_info import ModelInfo
 from rollgen.output import empty_output
@@ -24,58 +23,10 @@ logger = logging.getLogger(__name__)
 WAKE_TAGS = ("weights", "kv_cache")
 
 
-class GenerationInterface(ABC):
-    """What a trainer calls. Every backend implements this, usually through BaseGeneration."""
-
-    @abstractmethod
-    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
-        """Right-padded ``input_ids``/``input_lengths`` in; GenerationOutputSpec out."""
-
-    @abstractmethod
-    def generate_text(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
-        """``{"prompts": [str], "stop_strings"?: [...]}`` in; ``{"texts": [str]}`` out."""
-
-    @abstractmethod
-    def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
-        """Wake (all of it, or only ``tags`` such as ``["weights"]`` then ``["kv_cache"]``)."""
-
-    @abstractmethod
-    def finish_generation(self) -> None:
-        """Sleep: reset the prefix cache and release memory where the backend can."""
-
-    @abstractmethod
-    def update_weights(self, buckets: WeightBucket | Iterable[WeightBucket]) -> None:
-        """Apply packed weight buckets (validated first; RefitError leaves old weights)."""
-
-    @abstractmethod
-    def refit(
-        self,
-        source: torch.nn.Module | Mapping[str, torch.Tensor],
-        *,
-        bucket_bytes: int | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        """Push a local model or state dict into the engine (validated, bucketed; ``bucket_bytes``
-        None: ``rollgen.refit.default_bucket_bytes``)."""
-
-    @property
-    @abstractmethod
-    def engine_dtype(self) -> torch.dtype:
-        """The dtype the engine holds weights in (what a refit must send, or cast to)."""
-
-    @abstractmethod
-    def shutdown(self) -> None:
-        """Release the engine. Idempotent."""
-
-    def __enter__(self) -> GenerationInterface:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-
-class BaseGeneration(GenerationInterface):
-    """Shared behaviour. A backend implements ``_generate`` and the ``_``-prefixed engine hooks."""
+class BaseGeneration(ABC):
+    """Shared behaviour of every backend (it implements ``GenerationInterface``): validation,
+    per-sample settings, seeds, wake/sleep state, refit checks, the text path. A backend
+    implements ``_generate``, ``_apply_bucket`` and the other ``_``-prefixed engine hooks."""
 
     #: Transport ``refit()`` packs local sources with; backends override.
     local_transport: refit_mod.Transport = "tensors"
@@ -181,10 +132,7 @@ class BaseGeneration(GenerationInterface):
         empty = [i for i, e in enumerate(encoded) if not e]
         if empty:
             raise InputError(f"sample(s) {empty}: prompt encodes to no tokens", empty)
-        lengths = torch.tensor([len(e) for e in encoded], dtype=torch.long)
-        ids = torch.full((len(encoded), int(lengths.max())), self.cfg["pad_token_id"], dtype=torch.long)
-        for i, e in enumerate(encoded):
-            ids[i, : len(e)] = torch.tensor(e)
+        ids, lengths = right_pad(encoded, self.cfg["pad_token_id"], torch.long)
         batch: dict[str, Any] = {"input_ids": ids, "input_lengths": lengths}
         if data.get("stop_strings") is not None:
             batch["stop_strings"] = data["stop_strings"]
@@ -220,10 +168,10 @@ class BaseGeneration(GenerationInterface):
             self._awake.clear()
             self._prefixes_cached = False
 
-    def _wake(self, tags: list[str]) -> None:
+    def _wake(self, tags: list[str]) -> None:  # noqa: B027 - optional hook, a no-op unless the engine needs it
         """Bring ``tags`` back onto the device."""
 
-    def _sleep(self) -> None:
+    def _sleep(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine needs it
         """Reset the prefix cache and release memory."""
 
     # ---- refit --------------------------------------------------------------------------------
@@ -235,9 +183,9 @@ class BaseGeneration(GenerationInterface):
         return self._weight_spec
 
     def _expected_weights(self) -> WeightSpec:
-        from rollgen.testing.reference import meta_state_spec
-
-        return meta_state_spec(self.cfg["model_name"], self.engine_dtype)
+        """The HF model's state dict (built on the meta device); backends that hold the model
+        may read their own."""
+        return self.model_info.weight_spec(self.engine_dtype)
 
     @property
     def engine_dtype(self) -> torch.dtype:
@@ -287,9 +235,8 @@ class BaseGeneration(GenerationInterface):
         self._invalidate_prefixes()
 
     @abstractmethod
-    def _apply_bucket(self, bucket: WeightBucket) -> Any:
-        """Load one validated bucket into the engine; returns what the engine reports of it, if
-        anything (profiles read it)."""
+    def _apply_bucket(self, bucket: WeightBucket) -> None:
+        """Load one validated bucket into the engine."""
 
     def _invalidate_prefixes(self) -> None:
         """After new weights: reset the prefix cache if a generate may have filled it since the
@@ -298,7 +245,7 @@ class BaseGeneration(GenerationInterface):
             self._reset_prefix_cache()
             self._prefixes_cached = False
 
-    def _reset_prefix_cache(self) -> None:
+    def _reset_prefix_cache(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine needs it
         """Invalidate cached prefixes (after a refit that follows a generate; ``_sleep`` resets
         them itself)."""
 
@@ -309,7 +256,13 @@ class BaseGeneration(GenerationInterface):
         self._closed = True
         self._shutdown()
 
-    def _shutdown(self) -> None:
+    def __enter__(self) -> BaseGeneration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine needs it
         """Free the engine."""
 
 

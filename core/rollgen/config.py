@@ -10,7 +10,6 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from rollgen.errors import ConfigError
-from rollgen.spec import CONFIG_DEFAULTS
 
 
 @cache
@@ -28,7 +27,7 @@ def _describe(err: Mapping[str, Any]) -> str:
 
 
 def validate_config(config: Mapping[str, Any], config_type: type) -> dict[str, Any]:
-    """Validate ``config`` against ``config_type`` and fill in the shared defaults.
+    """Validate ``config`` against ``config_type``; the result has every default filled in.
 
     Raises ConfigError listing every problem at once.
     """
@@ -42,7 +41,7 @@ def validate_config(config: Mapping[str, Any], config_type: type) -> dict[str, A
             f"invalid config for backend {config.get('backend')!r}: {len(problems)} problem(s)",
             problems,
         ) from None
-    return {**CONFIG_DEFAULTS, **validated}
+    return dict(validated)
 
 
 def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

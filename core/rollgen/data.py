@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import chain
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -87,6 +88,21 @@ class BatchedDataDict(dict, Generic[T]):  # type: ignore[type-arg]
             if isinstance(v, torch.Tensor):
                 self[k] = v.to(device)
         return self
+
+
+def right_pad(
+    rows: Sequence[Sequence[float]] | Sequence[Sequence[int]],
+    pad_value: float | int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` of different lengths → ([B, longest] right-padded with ``pad_value``, lengths [B])."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    width = int(lengths.max()) if len(rows) else 0
+    out = torch.full((len(rows), width), pad_value, dtype=dtype)
+    if width:
+        mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+        out[mask] = torch.tensor(list(chain.from_iterable(rows)), dtype=dtype)
+    return out, lengths
 
 
 def _cat_padded(tensors: Sequence[torch.Tensor], pad_value: float | int) -> torch.Tensor:

@@ -6,7 +6,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from rollgen.errors import ConfigError
+from rollgen.refit import WeightSpec, dtype_name
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,16 @@ class ModelInfo:
     #: The ids that end a sample: ``generation_config.json``'s ``eos_token_id`` (what HF's
     #: ``generate`` stops at), else ``config.json``'s.
     eos_token_ids: tuple[int, ...] = ()
+
+    def weight_spec(self, dtype: torch.dtype) -> WeightSpec:
+        """Names and full shapes of the HF model's state dict (built on the meta device: no
+        memory), with ``dtype``: what a refit of this model sends."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(self.path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        return {n: (tuple(t.shape), dtype_name(dtype)) for n, t in model.state_dict().items()}
 
     @classmethod
     def from_dir(cls, path: str) -> ModelInfo:

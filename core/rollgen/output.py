@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
 from typing import Any
 
 import torch
 
-from rollgen.data import BatchedDataDict
+from rollgen.data import BatchedDataDict, right_pad
 from rollgen.errors import RollgenError
-
-
-def pad_ragged(
-    rows: Sequence[Sequence[float]] | Sequence[Sequence[int]],
-    pad_value: float | int,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` of different lengths → ([B, max_len] right-padded tensor, lengths [B])."""
-    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    width = int(lengths.max()) if len(rows) else 0
-    out = torch.full((len(rows), width), pad_value, dtype=dtype)
-    if width:
-        mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
-        out[mask] = torch.tensor(list(chain.from_iterable(rows)), dtype=dtype)
-    return out, lengths
 
 
 def empty_output(width: int = 0) -> BatchedDataDict[Any]:
@@ -87,6 +71,6 @@ def assemble_from_lists(
     bad = [i for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)) if len(t) != len(lp)]
     if bad:
         raise RollgenError(f"the engine returned logprobs that do not match the tokens of samples {bad}")
-    gen_ids, gen_lengths = pad_ragged(tokens, 0, torch.long)
-    gen_lps, _ = pad_ragged(logprobs, 0.0, torch.float32)
+    gen_ids, gen_lengths = right_pad(tokens, 0, torch.long)
+    gen_lps, _ = right_pad(logprobs, 0.0, torch.float32)
     return assemble_output(input_ids, input_lengths, gen_ids, gen_lps, gen_lengths, pad_token_id)

@@ -33,7 +33,8 @@ TRANSPORT_CAPABILITY: dict[str, Capability] = {
 #: Bucket size for a source in host memory.
 DEFAULT_BUCKET_BYTES = 1 << 30
 #: Bounds of the bucket size for a source on a GPU (a quarter of its free memory): one 4 GiB
-#: bucket refits a 1.5B model in 21.7 ms on an H200, 1 GiB buckets in 33 ms (BENCHMARKS.md).
+#: bucket refits a 1.5B model in 21.0 ms on an H200, 1 GiB buckets in 30.1 ms (BENCHMARKS.md,
+#: 2026-11-30, 6e72348).
 GPU_BUCKET_BYTES = (64 << 20, 4 << 30)
 #: Offsets of tensors in a flat bucket buffer are multiples of this (any dtype can view them).
 FLAT_ALIGN = 256

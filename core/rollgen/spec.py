@@ -1,12 +1,10 @@
 """The contract's types: capabilities, config, input and output specs (spec version 1)."""
 
-from __future__ import annotations
-
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import torch
-from pydantic import ConfigDict, Field
+from pydantic import AfterValidator, ConfigDict, Field
 from typing_extensions import NotRequired, TypedDict
 
 SPEC_VERSION = 1
@@ -34,62 +32,66 @@ class Capability(str, Enum):
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
-NonNegFloat = Annotated[float, Field(ge=0.0)]
-Probability = Annotated[float, Field(gt=0.0, le=1.0)]
-PositiveInt = Annotated[int, Field(gt=0)]
+
+def _not_zero(value: int) -> int:
+    if value == 0:
+        raise ValueError("top_k must be -1 (off) or at least 1")
+    return value
+
+
+#: The bounds of every sampling setting, shared by the config and the batch's per-sample values.
+Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+#: -1 is off (the whole vocabulary), else at least 1.
+TopK = Annotated[int, Field(ge=-1), AfterValidator(_not_zero)]
+MaxNewTokens = Annotated[int, Field(gt=0)]
+Seed = Annotated[int, Field(ge=0, lt=2**63)]
 TokenId = Annotated[int, Field(ge=0)]
+PositiveInt = Annotated[int, Field(gt=0)]
 
 
 class GenerationConfig(TypedDict):
-    """Keys shared by every backend. Engine keys live in ``<engine>_cfg`` / ``<engine>_kwargs``."""
+    """Keys shared by every backend, with their bounds and defaults. Engine keys live in
+    ``<engine>_cfg`` / ``<engine>_kwargs``."""
 
     __pydantic_config__ = _STRICT  # type: ignore[misc]
 
     backend: str
     model_name: str
-    max_new_tokens: PositiveInt
+    max_new_tokens: MaxNewTokens
     pad_token_id: TokenId
-    temperature: NotRequired[NonNegFloat]
-    top_p: NotRequired[Probability]
-    top_k: NotRequired[Annotated[int, Field(ge=-1)] | None]
-    stop_token_ids: NotRequired[list[TokenId] | None]
-    stop_strings: NotRequired[list[str] | None]
-    seed: NotRequired[int | None]
-    logprobs_mode: NotRequired[Literal["raw", "processed"]]
-    dtype: NotRequired[Literal["float32", "bfloat16", "float16", "auto"]]
-    max_model_len: NotRequired[PositiveInt | None]
+    temperature: NotRequired[Annotated[Temperature, Field(default=1.0)]]
+    top_p: NotRequired[Annotated[TopP, Field(default=1.0)]]
+    top_k: NotRequired[Annotated[TopK | None, Field(default=None)]]
+    stop_token_ids: NotRequired[Annotated[list[TokenId] | None, Field(default=None)]]
+    stop_strings: NotRequired[Annotated[list[str] | None, Field(default=None)]]
+    seed: NotRequired[Annotated[Seed | None, Field(default=None)]]
+    logprobs_mode: NotRequired[Annotated[Literal["raw", "processed"], Field(default="raw")]]
+    dtype: NotRequired[Annotated[Literal["float32", "bfloat16", "float16", "auto"], Field(default="auto")]]
+    max_model_len: NotRequired[Annotated[PositiveInt | None, Field(default=None)]]
 
 
 class RayEngineCfg(TypedDict):
-    """Keys every Ray-actor backend's engine sub-dict shares (``vllm_cfg``, ``sglang_cfg``);
-    defaults in ``rollgen.distributed.generation.RAY_ENGINE_DEFAULTS``."""
+    """Keys every Ray-actor backend's engine sub-dict shares (``vllm_cfg``, ``sglang_cfg``)."""
 
     __pydantic_config__ = _STRICT  # type: ignore[misc]
 
-    tensor_parallel_size: NotRequired[PositiveInt]
+    tensor_parallel_size: NotRequired[Annotated[PositiveInt, Field(default=1)]]
     #: Engines to start when no cluster is given (with a cluster: its tied groups decide).
-    data_parallel_size: NotRequired[PositiveInt]
+    data_parallel_size: NotRequired[Annotated[PositiveInt, Field(default=1)]]
     #: "auto": on where the engine supports it (CUDA), off on CPU.
-    enable_sleep_mode: NotRequired[bool | Literal["auto"]]
+    enable_sleep_mode: NotRequired[Annotated[bool | Literal["auto"], Field(default="auto")]]
     #: CPU bundles reserve this many Ray CPUs each (fractions leave room on small machines).
-    cpus_per_bundle: NotRequired[Annotated[float, Field(gt=0)]]
+    cpus_per_bundle: NotRequired[Annotated[float, Field(gt=0, default=0.5)]]
     #: GPU share each bundle reserves: 1 (a whole GPU) or, for TP=1 only, a fraction so that several
     #: small engines (each with its own memory limit) share a GPU.
-    gpus_per_bundle: NotRequired[Annotated[float, Field(gt=0, le=1)]]
+    gpus_per_bundle: NotRequired[Annotated[float, Field(gt=0, le=1, default=1.0)]]
 
 
-#: Values used for the optional shared keys a config leaves out.
-CONFIG_DEFAULTS: dict[str, Any] = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": None,
-    "stop_token_ids": None,
-    "stop_strings": None,
-    "seed": None,
-    "logprobs_mode": "raw",
-    "dtype": "auto",
-    "max_model_len": None,
-}
+_Sub = TypeVar("_Sub")
+#: A backend config's engine sub-dict (``vllm_cfg: NotRequired[EngineSubDict[VllmCfg]]``): left
+#: out, it is ``{}`` with every default of its keys filled in.
+EngineSubDict = Annotated[_Sub, Field(default_factory=dict, validate_default=True)]
 
 
 class GenerationDatumSpec(TypedDict):
@@ -119,14 +121,12 @@ class GenerationOutputSpec(TypedDict):
     unpadded_sequence_lengths: torch.Tensor
 
 
-class TextDatumSpec(TypedDict):
-    prompts: list[str]
-    stop_strings: NotRequired[list[list[str] | None]]
-
-
-class TextOutputSpec(TypedDict):
-    texts: list[str]
-
-
-OUTPUT_KEYS = ("output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths")
-PER_SAMPLE_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
+#: Batch keys that override a config setting for each sample (tensors of shape [B]), with the
+#: bounds of that setting.
+PER_SAMPLE_SAMPLING_KEYS: dict[str, Any] = {
+    "temperature": Temperature,
+    "top_p": TopP,
+    "top_k": TopK,
+    "max_new_tokens": MaxNewTokens,
+    "seed": Seed,
+}

@@ -3,16 +3,21 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
-from typing import Any
+from functools import cache
+from typing import Any, get_args
 
 import torch
+from pydantic import TypeAdapter, ValidationError
 
 from rollgen.data import BatchedDataDict
 from rollgen.errors import InputError
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS
 
 _MAX_NAMED = 8
+#: Every key a batch may hold.
+BATCH_KEYS = ("input_ids", "input_lengths", "stop_strings", *PER_SAMPLE_SAMPLING_KEYS)
 
 
 def _names(rows: torch.Tensor | list[int]) -> tuple[list[int], str]:
@@ -38,6 +43,7 @@ def validate_generation_input(
     """Check ``data`` against GenerationDatumSpec; return it as a BatchedDataDict."""
     if not isinstance(data, Mapping):
         raise InputError(f"generate() takes a dict of tensors, got {type(data).__name__}")
+    _check_keys(data)
     missing = [k for k in ("input_ids", "input_lengths") if k not in data]
     if missing:
         raise InputError(f"batch is missing required key(s) {missing}")
@@ -104,23 +110,42 @@ def _check_stop_strings(data: BatchedDataDict[Any], batch: int) -> None:
         _fail(bad, "stop_strings entry must be None or a list of non-empty strings")
 
 
+def _check_keys(data: Mapping[str, Any]) -> None:
+    unknown = sorted(set(data) - set(BATCH_KEYS))
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(str(key), BATCH_KEYS, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise InputError(f"unknown batch key(s) {', '.join(hints)}; a batch takes {list(BATCH_KEYS)}")
+
+
 def _check_per_sample(data: BatchedDataDict[Any], batch: int) -> None:
-    for key in PER_SAMPLE_SAMPLING_KEYS:
+    """Each per-sample setting: a number per sample, integers where the setting is one, within
+    the bounds the config's type states (``rollgen.spec``)."""
+    for key, bounds in PER_SAMPLE_SAMPLING_KEYS.items():
         if key not in data:
             continue
-        value = torch.as_tensor(data[key])
+        try:
+            value = torch.as_tensor(data[key])
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InputError(
+                f"per-sample {key!r} must be a tensor of numbers of shape [{batch}]: {exc}"
+            ) from None
         if value.shape != (batch,):
             raise InputError(f"per-sample {key!r} must have shape [{batch}], got {list(value.shape)}")
-        if key == "temperature":
-            bad = value < 0
-        elif key == "top_p":
-            bad = (value <= 0) | (value > 1)
-        elif key == "top_k":
-            bad = (value < -1) | (value == 0)
-        elif key == "max_new_tokens":
-            bad = value < 1
-        else:
-            bad = torch.zeros(batch, dtype=torch.bool)
-        if bad.any():
-            _fail(bad.nonzero().flatten(), f"invalid per-sample {key}")
+        integral = get_args(bounds)[0] is int
+        if value.dtype == torch.bool or value.is_complex() or (integral and value.is_floating_point()):
+            kind = "an integer" if integral else "a real number"
+            raise InputError(f"per-sample {key!r} must hold {kind} per sample, got dtype {value.dtype}")
+        try:
+            _adapter(list[bounds]).validate_python(value.tolist())  # type: ignore[valid-type]
+        except ValidationError as exc:
+            errors = exc.errors()
+            _fail([int(e["loc"][0]) for e in errors], f"per-sample {key}: {errors[0]['msg'].lower()}")
         data[key] = value
+
+
+@cache
+def _adapter(bounds: Any) -> TypeAdapter[Any]:
+    return TypeAdapter(bounds)

@@ -1,33 +1,91 @@
 """``RayGeneration``: the driver side shared by every backend whose engines live in Ray actors,
-one per tied group (vLLM, SGLang). A backend names its worker class and its config sub-dict."""
+one per tied group (vLLM, SGLang). A backend names its worker class and its config sub-dict.
+
+The engines' options are computed first, without Ray (``plan_engines``, unit-tested); the
+start-up then reserves the bundles and starts one ``EngineWorker`` per tied group."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 from collections.abc import Mapping
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import ray
 
+from rollgen.base import BaseGeneration
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup
+from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec
+from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
 from rollgen.errors import ConfigError
-from rollgen.interface import BaseGeneration
 from rollgen.refit import WeightBucket, dtype_name
 
 logger = logging.getLogger(__name__)
 
-#: Keys every Ray-actor backend's engine sub-dict has, with their defaults.
-RAY_ENGINE_DEFAULTS: dict[str, Any] = {
-    "tensor_parallel_size": 1,
-    "data_parallel_size": 1,
-    "enable_sleep_mode": "auto",
-    "cpus_per_bundle": 0.5,
-    "gpus_per_bundle": 1.0,
-}
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What to start: the worker spec every engine shares (its tied group and index are set per
+    worker), the bundles to reserve when no cluster is given, and the context rollgen checks
+    prompts against."""
+
+    spec: WorkerSpec
+    #: Prompt plus generation the backend takes (the engine's context, less what it reserves).
+    max_model_len: int
+    data_parallel_size: int
+    cpus_per_bundle: float
+    gpus_per_bundle: float
+
+    def worker_spec(self, group: TiedGroup, index: int) -> WorkerSpec:
+        return dataclasses.replace(self.spec, group=group, index=index)
+
+
+def plan_engines(
+    cfg: Mapping[str, Any],
+    engine_key: str,
+    *,
+    use_gpus: bool,
+    engine_dtype: str,
+    context_length: int,
+    reserved_context: int = 0,
+) -> EnginePlan:
+    """The engines' options for a validated config (``cfg[engine_key]`` has every default), on
+    a machine with or without GPUs. ConfigError for settings that cannot work there."""
+    engine = dict(cfg[engine_key])
+    if engine["enable_sleep_mode"] == "auto":
+        engine["enable_sleep_mode"] = use_gpus
+    elif engine["enable_sleep_mode"] and not use_gpus:
+        raise ConfigError(f"{engine_key}.enable_sleep_mode needs CUDA; leave it 'auto' on CPU")
+    tp = engine["tensor_parallel_size"]
+    if tp > 1 and engine["gpus_per_bundle"] < 1:
+        raise ConfigError(
+            f"{engine_key}.gpus_per_bundle={engine['gpus_per_bundle']} with tensor_parallel_size={tp}: "
+            "a tensor-parallel group needs a whole GPU per rank; leave gpus_per_bundle at 1"
+        )
+    spec = WorkerSpec(
+        model_name=cfg["model_name"],
+        dtype=engine_dtype,
+        context_length=context_length,
+        seed=cfg["seed"],
+        logprobs_mode=cfg["logprobs_mode"],
+        pad_token_id=cfg["pad_token_id"],
+        engine=engine,
+        engine_kwargs=dict(cfg.get(engine_key.replace("_cfg", "_kwargs")) or {}),
+        use_gpus=use_gpus,
+        group=TiedGroup(0, tuple(range(tp))),
+        index=0,
+    )
+    return EnginePlan(
+        spec=spec,
+        max_model_len=context_length - reserved_context,
+        data_parallel_size=engine["data_parallel_size"],
+        cpus_per_bundle=1.0 if use_gpus else engine["cpus_per_bundle"],
+        gpus_per_bundle=engine["gpus_per_bundle"],
+    )
 
 
 def leader_resources(cluster: RayVirtualCluster, tp: int, use_gpus: bool) -> dict[str, float]:
@@ -44,16 +102,11 @@ def leader_resources(cluster: RayVirtualCluster, tp: int, use_gpus: bool) -> dic
 
 class RayGeneration(BaseGeneration):
     """Data parallelism = number of tied groups; a batch is sharded across their leaders (uneven
-    shards allowed, empty ones not sent) and merged back in order.
-
-    The worker class (``worker_cls``, "module:Class") is built as ``Worker(cfg, use_gpus, group,
-    index)`` and implements ``ready``, ``generate(shard)``, ``apply_bucket(bytes)``,
-    ``reset_prefix_cache``, ``sleep``, ``wake(tags)`` and ``shutdown``.
-    """
+    shards allowed, empty ones not sent) and merged back in order. The worker class
+    (``worker_cls``, "module:Class") is an ``EngineWorker``, built as ``Worker(spec)``."""
 
     worker_cls: ClassVar[str]
     engine_key: ClassVar[str]
-    engine_defaults: ClassVar[dict[str, Any]] = {}
     #: Tokens of the engine's context it will not take as prompt: rollgen's ``max_model_len``
     #: (validation, clamping) is that much shorter than the context length the engine gets.
     reserved_context: ClassVar[int] = 0
@@ -62,54 +115,55 @@ class RayGeneration(BaseGeneration):
         self, config: Mapping[str, Any], cluster: RayVirtualCluster | None = None, backend: Any = None
     ) -> None:
         super().__init__(config, cluster=cluster, backend=backend)
-        ecfg = {**RAY_ENGINE_DEFAULTS, **self.engine_defaults, **(self.cfg.get(self.engine_key) or {})}
         init_ray()
         self.use_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        if ecfg["enable_sleep_mode"] == "auto":
-            ecfg["enable_sleep_mode"] = self.use_gpus
-        elif ecfg["enable_sleep_mode"] and not self.use_gpus:
-            raise ConfigError(f"{self.engine_key}.enable_sleep_mode needs CUDA; leave it 'auto' on CPU")
-        tp = ecfg["tensor_parallel_size"]
-        if tp > 1 and ecfg["gpus_per_bundle"] < 1:
-            raise ConfigError(
-                f"{self.engine_key}.gpus_per_bundle={ecfg['gpus_per_bundle']} with "
-                f"tensor_parallel_size={tp}: a tensor-parallel group needs a whole GPU per rank; "
-                "leave gpus_per_bundle at 1"
-            )
-        self.cfg.update(
-            {self.engine_key: ecfg},
-            _engine_dtype=dtype_name(self.engine_dtype),
-            _max_model_len=self.max_model_len,
-        )
-        self.max_model_len -= self.reserved_context
+        self.plan = self.make_plan(self.use_gpus)
+        self.max_model_len = self.plan.max_model_len
+        self.local_transport = "cuda_ipc" if self.use_gpus else "shared_memory"
         self._own_cluster = cluster is None
+        tp = self.plan.spec.tensor_parallel_size
         if cluster is None:
-            cpus = 1.0 if self.use_gpus else ecfg["cpus_per_bundle"]
             cluster = RayVirtualCluster(
-                [tp * ecfg["data_parallel_size"]],
+                [tp * self.plan.data_parallel_size],
                 self.use_gpus,
-                cpus,
+                self.plan.cpus_per_bundle,
                 name=f"rollgen-{self.name}",
-                gpus_per_bundle=ecfg["gpus_per_bundle"],
+                gpus_per_bundle=self.plan.gpus_per_bundle,
             )
         self.cluster = cluster
-        self.local_transport = "cuda_ipc" if self.use_gpus else "shared_memory"
         with ExitStack() as on_failure:  # a failed start frees what it reserved
             on_failure.callback(self._release)
             self.group = RayWorkerGroup(
                 cluster,
-                RayWorkerBuilder(self.worker_cls, self.cfg, self.use_gpus),
+                RayWorkerBuilder(self.worker_cls, lambda group, i: (self.plan.worker_spec(group, i),)),
                 tp,
                 name_prefix=f"rollgen-{self.name}",
                 leader_resources=leader_resources(cluster, tp, self.use_gpus),
             )
-            self.engine_info = self.group.call_all("ready")
+            self.engine_info = self.group.call_all(EngineWorker.ready)
             on_failure.pop_all()
-        logger.info("%s up: dp=%d tp=%d %s", self.name, self.group.dp_size, tp, self.engine_info[0])
+        logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, self.engine_info[0])
+
+    def make_plan(self, use_gpus: bool) -> EnginePlan:
+        """The engines' options on this machine."""
+        engine = self.machine_defaults(self.cfg[self.engine_key], use_gpus)
+        return plan_engines(
+            {**self.cfg, self.engine_key: engine},
+            self.engine_key,
+            use_gpus=use_gpus,
+            engine_dtype=dtype_name(self.engine_dtype),
+            context_length=self.max_model_len,
+            reserved_context=self.reserved_context,
+        )
+
+    def machine_defaults(self, engine: dict[str, Any], use_gpus: bool) -> dict[str, Any]:
+        """The engine sub-dict with its machine-dependent defaults resolved (backends override)."""
+        return dict(engine)
 
     @property
-    def engine_cfg(self) -> dict[str, Any]:
-        return self.cfg[self.engine_key]
+    def worker_specs(self) -> list[WorkerSpec]:
+        """The spec each engine worker was started with, in data-parallel order."""
+        return [self.plan.worker_spec(g, i) for i, g in enumerate(self.group.groups)]
 
     @property
     def dp_size(self) -> int:
@@ -117,27 +171,27 @@ class RayGeneration(BaseGeneration):
 
     @property
     def releases_memory_on_sleep(self) -> bool:
-        return bool(self.engine_cfg["enable_sleep_mode"])
+        return self.plan.spec.sleep_enabled
 
     def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
-        batch["_params"] = self.sample_params(batch, greedy)
-        shards = batch.shard_by_batch_size(self.dp_size, allow_uneven_shards=True)
-        results = self.group.call_sharded("generate", shards)
+        requests = GenerateRequest.shards(batch, self.sample_params(batch, greedy), self.dp_size)
+        results = self.group.call_sharded(EngineWorker.generate, requests)
         return BatchedDataDict.from_batches(results, pad_value_dict={"output_ids": self.cfg["pad_token_id"]})
 
-    def _apply_bucket(self, bucket: WeightBucket) -> list[Any]:
-        """Each leader's report of the bucket (one pickle per leader: shared-memory handles are
-        made per receiver)."""
-        return self.group.call_sharded("apply_bucket", [pickle.dumps(bucket) for _ in range(self.dp_size)])
+    def _apply_bucket(self, bucket: WeightBucket) -> None:
+        # one pickle per leader: shared-memory handles are made per receiver
+        self.group.call_sharded(
+            EngineWorker.apply_bucket, [pickle.dumps(bucket) for _ in range(self.dp_size)]
+        )
 
     def _reset_prefix_cache(self) -> None:
-        self.group.call_all("reset_prefix_cache")
+        self.group.call_all(EngineWorker.reset_prefix_cache)
 
     def _sleep(self) -> None:
-        self.group.call_all("sleep")
+        self.group.call_all(EngineWorker.sleep)
 
     def _wake(self, tags: list[str]) -> None:
-        self.group.call_all("wake", tags)
+        self.group.call_all(EngineWorker.wake, tags)
 
     def _shutdown(self) -> None:
         self._release()
@@ -145,6 +199,6 @@ class RayGeneration(BaseGeneration):
     def _release(self) -> None:
         group = getattr(self, "group", None)
         if group is not None:
-            group.shutdown()
+            group.shutdown(EngineWorker.shutdown)
         if self._own_cluster and getattr(self, "cluster", None) is not None:
             self.cluster.shutdown()

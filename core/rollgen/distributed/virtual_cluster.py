@@ -22,7 +22,6 @@ def init_ray(num_cpus: int | None = None, object_store_bytes: int = 512 << 20) -
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
     if not os.environ.get("RAY_ADDRESS"):
         kwargs.update(num_cpus=num_cpus or os.cpu_count(), object_store_memory=object_store_bytes)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(**kwargs)
 
 
@@ -76,10 +75,6 @@ class RayVirtualCluster:
         """The Ray node id each placement group landed on."""
         table = ray.util.placement_group_table()
         return [table[pg.id.hex()]["bundles_to_node_id"][0] for pg in self._pgs]
-
-    @property
-    def world_size(self) -> int:
-        return sum(self.bundles_per_node)
 
     def shutdown(self) -> None:
         for pg in self._pgs:

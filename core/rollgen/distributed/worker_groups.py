@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,19 +44,22 @@ def tied_groups(bundles_per_node: Sequence[int], tp_size: int) -> list[TiedGroup
 
 
 class RayWorkerBuilder:
-    """Creates one actor of ``cls_path`` ("module:Class") with the given constructor arguments."""
+    """Creates the actor of one tied group: ``cls_path`` ("module:Class") built with the
+    arguments ``args(group, index)`` gives (computed here, on the driver)."""
 
-    def __init__(self, cls_path: str, *args: Any, **kwargs: Any) -> None:
-        self.cls_path, self.args, self.kwargs = cls_path, args, kwargs
+    def __init__(self, cls_path: str, args: Callable[[TiedGroup, int], tuple[Any, ...]]) -> None:
+        self.cls_path, self.args = cls_path, args
 
-    def build(self, options: dict[str, Any], *extra_args: Any) -> Any:
+    def build(self, options: dict[str, Any], group: TiedGroup, index: int) -> Any:
         module, _, name = self.cls_path.partition(":")
         cls = getattr(importlib.import_module(module), name)
-        return ray.remote(cls).options(**options).remote(*self.args, *extra_args, **self.kwargs)
+        return ray.remote(cls).options(**options).remote(*self.args(group, index))
 
 
 class RayWorkerGroup:
-    """One leader actor per tied group, placed on the group's first bundle."""
+    """One leader actor per tied group, placed on the group's first bundle. Worker methods are
+    named by reference (``group.call_all(EngineWorker.wake, tags)``), so a renamed method is a
+    type error, not a string that no longer matches."""
 
     def __init__(
         self,
@@ -63,9 +67,7 @@ class RayWorkerGroup:
         builder: RayWorkerBuilder,
         tp_size: int,
         name_prefix: str = "rollgen",
-        env_vars: dict[str, str] | None = None,
         leader_resources: dict[str, float] | None = None,
-        per_group_env: list[dict[str, str]] | None = None,
     ) -> None:
         self.cluster = cluster
         self.groups = tied_groups(cluster.bundles_per_node, tp_size)
@@ -74,14 +76,12 @@ class RayWorkerGroup:
         pgs = cluster.get_placement_groups()
         resources = leader_resources or {"num_cpus": cluster.cpus_per_bundle / 2}
         for i, group in enumerate(self.groups):
-            env = {**(env_vars or {}), **(per_group_env[i] if per_group_env else {})}
             options = {
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=pgs[group.node],
                     placement_group_bundle_index=group.bundle_indices[0],
                     placement_group_capture_child_tasks=True,
                 ),
-                "runtime_env": {"env_vars": env},
                 "max_concurrency": 1,
                 **resources,
             }
@@ -91,46 +91,65 @@ class RayWorkerGroup:
     def dp_size(self) -> int:
         return len(self.workers)
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         """Call ``method`` on every leader and wait; typed errors come back as themselves."""
-        return self.get([getattr(w, method).remote(*args, **kwargs) for w in self.workers])
+        return self.get([getattr(w, method.__name__).remote(*args) for w in self.workers])
 
-    def call_sharded(self, method: str, shards: Sequence[Any], **kwargs: Any) -> list[Any]:
+    def call_sharded(self, method: Callable[..., Any], shards: Sequence[Sized]) -> list[Any]:
         """Leader i gets ``shards[i]``; empty shards are not sent. Results in shard order."""
         if len(shards) != len(self.workers):
             raise ValueError(f"{len(shards)} shards for {len(self.workers)} workers")
-        live = [i for i, s in enumerate(shards) if len(s) and getattr(s, "size", 1)]
-        refs = [getattr(self.workers[i], method).remote(shards[i], **kwargs) for i in live]
+        live = [i for i, s in enumerate(shards) if len(s)]
+        refs = [getattr(self.workers[i], method.__name__).remote(shards[i]) for i in live]
         return self.get(refs, names=[self.names[i] for i in live])
 
     def get(
         self, refs: list[Any], timeout_s: float | None = None, names: list[str] | None = None
     ) -> list[Any]:
-        """ray.get that names the failing worker: a dead actor or a remote crash becomes a
-        WorkerError with the remote traceback; rollgen's own typed errors pass through."""
-        results = []
-        for name, ref in zip(names or self.names, refs):
-            try:
-                results.append(ray.get(ref, timeout=timeout_s))
-            except ray.exceptions.RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, RollgenError):
-                    raise cause from None
-                raise WorkerError(
-                    name, f"raised {type(cause).__name__ if cause else 'an error'}: {cause}", str(exc)
-                ) from None
-            except ray.exceptions.RayActorError as exc:
+        """The results of ``refs`` in order, naming the failing worker: a dead actor or a remote
+        crash becomes a WorkerError with the remote traceback; rollgen's own typed errors pass
+        through. The first failure is raised as soon as it arrives, without waiting for the
+        other workers."""
+        names = names or self.names
+        pending = dict(zip(refs, names))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if not done:
+                raise WorkerError(pending[next(iter(pending))], f"did not answer within {timeout_s} s")
+            for ref in done:
+                self._result(ref, pending.pop(ref))
+        return [self._result(ref, name) for ref, name in zip(refs, names)]
+
+    @staticmethod
+    def _result(ref: Any, name: str) -> Any:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, RollgenError):
+                raise cause from None
+            raise WorkerError(
+                name, f"raised {type(cause).__name__ if cause else 'an error'}: {cause}", str(exc)
+            ) from None
+        except ray.exceptions.RayActorError as exc:
+            if not exc.actor_init_failed:
                 raise WorkerError(
                     name, f"died ({exc.__class__.__name__}); create a new generation object"
                 ) from exc
-            except ray.exceptions.GetTimeoutError as exc:
-                raise WorkerError(name, f"did not answer within {timeout_s} s") from exc
-        return results
+            # the constructor raised: Ray chains the creation task's error
+            task = exc.__cause__ if isinstance(exc.__cause__, ray.exceptions.RayTaskError) else None
+            cause = getattr(task, "cause", None)
+            if isinstance(cause, RollgenError):
+                raise cause from None
+            what = f"{type(cause).__name__}: {cause}" if cause else str(exc).strip().splitlines()[-1]
+            raise WorkerError(name, f"failed to start: {what}", str(task or exc)) from exc
 
-    def shutdown(self, cleanup_method: str | None = "shutdown", timeout_s: float = 60.0) -> None:
-        """Run ``cleanup_method`` on live leaders (best effort), then kill every actor."""
-        if cleanup_method:
-            refs = [getattr(w, cleanup_method).remote() for w in self.workers]
+    def shutdown(self, cleanup: Callable[..., Any] | None = None, timeout_s: float = 60.0) -> None:
+        """Run ``cleanup`` on live leaders (best effort), then kill every actor."""
+        if cleanup is not None:
+            refs = [getattr(w, cleanup.__name__).remote() for w in self.workers]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
             for ref in ready:
                 try:

@@ -7,6 +7,7 @@ demand (a crash, a dead process); it claims no engine behaviour.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from rollgen.distributed.worker_groups import TiedGroup
@@ -31,6 +32,10 @@ class ProbeWorker:
 
     def fail_typed(self) -> None:
         raise InputError("typed error from a worker", [3])
+
+    def block(self) -> None:
+        """Never returns (a worker stuck in a long call)."""
+        threading.Event().wait()
 
     def die(self) -> None:
         os._exit(1)

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from rollgen.data import right_pad
+
 PROMPTS = [
     "count: 3 4 5",
     "abc: c d",
@@ -20,11 +22,9 @@ PROMPTS = [
 def encode(tokenizer: Any, prompts: list[str], extra_pad: int = 0) -> dict[str, torch.Tensor]:
     """Right-padded batch of ``prompts``."""
     enc = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    lengths = torch.tensor([len(e) for e in enc], dtype=torch.long)
-    ids = torch.full((len(enc), int(lengths.max()) + extra_pad), tokenizer.pad_token_id, dtype=torch.long)
-    for i, e in enumerate(enc):
-        ids[i, : len(e)] = torch.tensor(e)
-    return {"input_ids": ids, "input_lengths": lengths}
+    ids, lengths = right_pad(enc, tokenizer.pad_token_id, torch.long)
+    pad = torch.full((len(enc), extra_pad), tokenizer.pad_token_id, dtype=torch.long)
+    return {"input_ids": torch.cat([ids, pad], dim=1), "input_lengths": lengths}
 
 
 def generated_texts(

@@ -7,8 +7,6 @@ from typing import Any
 
 import torch
 
-from rollgen.refit import WeightSpec, dtype_name
-
 
 def load_reference_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForCausalLM
@@ -80,14 +78,3 @@ def generated_mask(out: Mapping[str, torch.Tensor], input_lengths: torch.Tensor)
     return (positions >= input_lengths.unsqueeze(1)) & (
         positions < out["unpadded_sequence_lengths"].unsqueeze(1)
     )
-
-
-def meta_state_spec(model_dir: str, dtype: torch.dtype) -> WeightSpec:
-    """Names and full shapes of the HF model's state dict (built on the meta device: no memory),
-    with ``dtype``: what a refit of this model sends."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {n: (tuple(t.shape), dtype_name(dtype)) for n, t in model.state_dict().items()}

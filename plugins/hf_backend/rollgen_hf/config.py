@@ -1,23 +1,22 @@
 """Config type of the ``hf`` backend (light: no transformers import)."""
 
-from __future__ import annotations
+from typing import Annotated, Any, Literal
 
-from typing import Any, Literal
-
+from pydantic import ConfigDict, Field
 from typing_extensions import NotRequired, TypedDict
 
-from rollgen.spec import GenerationConfig
+from rollgen.spec import EngineSubDict, GenerationConfig
 
 
 class HfCfg(TypedDict):
-    __pydantic_config__ = {"extra": "forbid", "strict": True}  # type: ignore[misc]
+    __pydantic_config__ = ConfigDict(extra="forbid", strict=True)  # type: ignore[misc]
 
     #: "cpu", "cuda", "cuda:1", or "auto" (cuda when available).
-    device: NotRequired[str]
-    attn_implementation: NotRequired[Literal["eager", "sdpa"]]
+    device: NotRequired[Annotated[str, Field(default="auto")]]
+    attn_implementation: NotRequired[Annotated[Literal["eager", "sdpa"] | None, Field(default=None)]]
 
 
 class HfConfig(GenerationConfig):
-    hf_cfg: NotRequired[HfCfg]
+    hf_cfg: NotRequired[EngineSubDict[HfCfg]]
     #: Passed to ``AutoModelForCausalLM.from_pretrained`` as is.
-    hf_kwargs: NotRequired[dict[str, Any]]
+    hf_kwargs: NotRequired[Annotated[dict[str, Any], Field(default_factory=dict)]]

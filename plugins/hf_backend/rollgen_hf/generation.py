@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
+from rollgen.base import BaseGeneration
 from rollgen.data import BatchedDataDict
-from rollgen.interface import BaseGeneration
 from rollgen.output import assemble_output
 from rollgen.refit import WeightBucket, WeightSpec, dtype_name, load_into_module
 from rollgen_hf.decode import decode
@@ -27,24 +27,22 @@ class HfGeneration(BaseGeneration):
 
     def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
         super().__init__(config, cluster=cluster, backend=backend)
-        hf_cfg = self.cfg.get("hf_cfg") or {}
-        device = hf_cfg.get("device", "auto")
+        hf_cfg = self.cfg["hf_cfg"]
+        device = hf_cfg["device"]
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
-        kwargs = dict(self.cfg.get("hf_kwargs") or {})
-        if "attn_implementation" in hf_cfg:
+        kwargs = dict(self.cfg["hf_kwargs"])
+        if hf_cfg["attn_implementation"] is not None:
             kwargs["attn_implementation"] = hf_cfg["attn_implementation"]
         self.model = (
             AutoModelForCausalLM.from_pretrained(self.cfg["model_name"], dtype=self.engine_dtype, **kwargs)
             .to(self.device)
             .eval()
         )
+        # draws for samples without a seed (with a config seed, the core seeds every sample)
         self._generator = torch.Generator()
-        if self.cfg.get("seed") is None:
-            self._generator.seed()  # unseeded runs differ from each other
-        else:
-            self._generator.manual_seed(int(self.cfg["seed"]))
+        self._generator.seed()
 
     @property
     def releases_memory_on_sleep(self) -> bool:

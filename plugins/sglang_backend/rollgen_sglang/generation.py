@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from rollgen.distributed import RayGeneration
-from rollgen_sglang.config import SGLANG_CFG_DEFAULTS
 
 
 class SglangGeneration(RayGeneration):
@@ -13,7 +12,6 @@ class SglangGeneration(RayGeneration):
 
     worker_cls = "rollgen_sglang.worker:SglangWorker"
     engine_key = "sglang_cfg"
-    engine_defaults: ClassVar[dict[str, Any]] = SGLANG_CFG_DEFAULTS
     #: SGLang 0.5.16 takes prompts of at most its context length minus 6 tokens (its
     #: ``max_req_input_len`` is ``context_len - 1 - 5``), and rejects longer ones.
     reserved_context: ClassVar[int] = 6

@@ -7,46 +7,41 @@ import gc
 import logging
 import os
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
-from rollgen.data import BatchedDataDict
-from rollgen.distributed.worker_groups import TiedGroup
+from rollgen.distributed.worker import EngineWorker, WorkerSpec
 from rollgen.errors import RollgenError
-from rollgen.output import assemble_from_lists
+from rollgen.refit import WeightBucket
 from rollgen.sampling import SampleParams
+from rollgen_vllm.extension import EXTENSION, RollgenWorkerExtension
 
 logger = logging.getLogger(__name__)
 
 
-def engine_kwargs(cfg: dict[str, Any], use_gpus: bool, executor: str | None) -> dict[str, Any]:
-    """``vllm.LLM``'s arguments for a resolved config (``vllm_kwargs`` last, overriding)."""
-    vcfg = cfg["vllm_cfg"]
-    tp = vcfg["tensor_parallel_size"]
+def engine_kwargs(spec: WorkerSpec, executor: str | None) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments for a worker spec (``vllm_kwargs`` last, overriding)."""
+    vcfg = spec.engine
     kwargs: dict[str, Any] = {
-        "model": cfg["model_name"],
-        "dtype": cfg["_engine_dtype"],
-        "tensor_parallel_size": tp,
+        "model": spec.model_name,
+        "dtype": spec.dtype,
+        "tensor_parallel_size": spec.tensor_parallel_size,
         "distributed_executor_backend": executor,
         "enforce_eager": vcfg["enforce_eager"],
-        "max_model_len": cfg["_max_model_len"],
-        "worker_extension_cls": "rollgen_vllm.extension.RollgenWorkerExtension",
-        "enable_sleep_mode": bool(vcfg["enable_sleep_mode"]),
+        "max_model_len": spec.context_length,
+        "worker_extension_cls": EXTENSION,
+        "enable_sleep_mode": spec.sleep_enabled,
         "load_format": vcfg["load_format"],
-        "seed": 0 if cfg["seed"] is None else int(cfg["seed"]),
+        "seed": 0 if spec.seed is None else spec.seed,
         "generation_config": "vllm",
         "disable_log_stats": True,
-        "logprobs_mode": "processed_logprobs" if cfg["logprobs_mode"] == "processed" else "raw_logprobs",
+        "logprobs_mode": "processed_logprobs" if spec.logprobs_mode == "processed" else "raw_logprobs",
     }
-    if use_gpus:
+    if spec.use_gpus:
         kwargs["gpu_memory_utilization"] = vcfg["gpu_memory_utilization"]
-    if use_gpus and tp > 1:
-        # on Hopper, compiled TP engines fuse all-reduce with RMSNorm through FlashInfer's
-        # NVLink-multicast ("mnnvl") all-reduce; with multicast off (as the lent H200s need)
-        # the engine hung and died at start (docs/gpu-results.md, session 6)
-        kwargs["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     if vcfg["kv_cache_memory_bytes"]:
         kwargs["kv_cache_memory_bytes"] = vcfg["kv_cache_memory_bytes"]
-    kwargs.update(cfg.get("vllm_kwargs") or {})
+    kwargs.update(spec.engine_kwargs)
     return kwargs
 
 
@@ -66,7 +61,7 @@ def _top_k_off() -> int:
     return int(vllm.SamplingParams().top_k)
 
 
-def sampling_params(samples: list[SampleParams]) -> list[Any]:
+def sampling_params(samples: Sequence[SampleParams]) -> list[Any]:
     """One ``vllm.SamplingParams`` per sample, asking for the sampled token's logprob (in vLLM's
     flat layout where this vLLM has it)."""
     import vllm
@@ -91,55 +86,52 @@ def sampling_params(samples: list[SampleParams]) -> list[Any]:
     ]
 
 
-class VllmWorker:
+class VllmWorker(EngineWorker):
     """Owns ``vllm.LLM``. TP > 1 on GPU: vLLM's Ray executor over the group's bundles; on CPU
     (no Ray executor there): vLLM's ``mp`` executor inside this actor."""
 
-    def __init__(self, cfg: dict[str, Any], use_gpus: bool, group: TiedGroup, index: int) -> None:
+    def _start(self) -> None:
         import ray
 
-        self.cfg, self.index = cfg, index
-        vcfg = cfg["vllm_cfg"]
-        tp = self.tp = vcfg["tensor_parallel_size"]
+        spec, tp = self.spec, self.spec.tensor_parallel_size
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-        if vcfg["in_process"]:
+        if spec.engine["in_process"]:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # engine-core processes must join this cluster, not start their own
         os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
-        if use_gpus and tp > 1:
+        executor: str | None = None
+        if spec.use_gpus and tp > 1:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             os.environ["VLLM_RAY_PER_WORKER_GPUS"] = str(1.0 / tp)
-            os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, group.bundle_indices))
-            executor: str | None = "ray"
-        else:
-            executor = "mp" if tp > 1 else None
-        if not use_gpus:
+            os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(map(str, spec.group.bundle_indices))
+            executor = "ray"
+        elif tp > 1:
+            executor = "mp"
+        if not spec.use_gpus:
             os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
             if tp > 1:
                 cores = os.cpu_count() or 1
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-                    str((index * tp + r) % cores) for r in range(tp)
+                    str((spec.index * tp + r) % cores) for r in range(tp)
                 )
         import vllm
 
-        self.sleep_enabled = bool(vcfg["enable_sleep_mode"])
-        self.llm = vllm.LLM(**engine_kwargs(cfg, use_gpus, executor))
+        self.llm = vllm.LLM(**engine_kwargs(spec, executor))
         self.flat_logprobs = flat_logprobs_supported()
 
-    def ready(self) -> dict[str, Any]:
+    def _describe(self) -> dict[str, Any]:
         import vllm
 
         return {"vllm": vllm.__version__, "flat_logprobs": self.flat_logprobs}
 
-    def generate(self, shard: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
-        """Generate for one data-parallel shard; output in the contract's layout."""
-        ids, lengths = shard["input_ids"], shard["input_lengths"]
-        prompts = [{"prompt_token_ids": row[:n].tolist()} for row, n in zip(ids, lengths.tolist())]
-        params = sampling_params(shard["_params"])
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        tokens = [list(o.outputs[0].token_ids) for o in outputs]
-        logprobs = [self._logprobs(o.outputs[0]) for o in outputs]
-        return assemble_from_lists(ids, lengths, tokens, logprobs, self.cfg["pad_token_id"])
+    def _generate(
+        self, prompts: list[list[int]], params: Sequence[SampleParams]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], sampling_params(params), use_tqdm=False
+        )
+        completions = [o.outputs[0] for o in outputs]
+        return [list(c.token_ids) for c in completions], [self._logprobs(c) for c in completions]
 
     def _logprobs(self, completion: Any) -> list[float]:
         lps = completion.logprobs
@@ -149,31 +141,29 @@ class VllmWorker:
             return list(lps.logprobs)
         return [pos[t].logprob for pos, t in zip(lps, completion.token_ids)]
 
-    def apply_bucket(self, data: bytes) -> list[dict[str, Any]]:
-        """Load a pickled WeightBucket into every TP rank (one pickle per rank: shared-memory
-        handles open once each); each rank's tensor count and seconds mapping and loading."""
-        bucket = pickle.loads(data).resolve()
-        per_rank = [pickle.dumps(bucket) for _ in range(self.tp)]
-        replay = self.cfg["vllm_cfg"]["replay_refit"]
-        return self.llm.collective_rpc("rollgen_load_bucket", args=(per_rank, replay))
+    def _load_bucket(self, bucket: WeightBucket) -> None:
+        # one pickle per TP rank: shared-memory handles open once each
+        per_rank = [pickle.dumps(bucket) for _ in range(self.spec.tensor_parallel_size)]
+        self.llm.collective_rpc(
+            RollgenWorkerExtension.rollgen_load_bucket.__name__,
+            args=(per_rank, self.spec.engine["replay_refit"]),
+        )
 
-    def device_uuids(self) -> list[str]:
-        return self.llm.collective_rpc("rollgen_device_uuid")
+    def collective_rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """``method`` of the worker extension on every TP rank of this engine."""
+        return self.llm.collective_rpc(method, args=args, kwargs=kwargs)
 
-    def reset_prefix_cache(self) -> None:
+    def _reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
-    def sleep(self) -> None:
+    def _release_memory(self) -> None:
         # vLLM's workers free their own memory; this actor holds none of it
-        self.llm.reset_prefix_cache()
-        if self.sleep_enabled:
-            self.llm.sleep(level=1)
+        self.llm.sleep(level=1)
 
-    def wake(self, tags: list[str]) -> None:
-        if self.sleep_enabled:
-            self.llm.wake_up(tags=tags)
+    def _resume_memory(self, tags: list[str]) -> None:
+        self.llm.wake_up(tags=tags)
 
-    def shutdown(self) -> None:
+    def _stop(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         engine = getattr(llm, "llm_engine", None)
         if engine is not None and hasattr(engine, "engine_core"):

@@ -1,0 +1,161 @@
+"""The driver ↔ worker protocol of backends whose engines live in Ray actors: what a worker is
+started with (``WorkerSpec``), what one generate call carries (``GenerateRequest``), and
+``EngineWorker``, the actor class that owns one engine and implements the protocol over a few
+engine hooks (vLLM's and SGLang's workers subclass it)."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rollgen.data import BatchedDataDict
+from rollgen.distributed.worker_groups import TiedGroup
+from rollgen.output import assemble_from_lists
+from rollgen.refit import WeightBucket
+from rollgen.sampling import SampleParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything one engine worker is started with (picklable, made by the driver)."""
+
+    model_name: str
+    #: The engine's weight dtype (``"bfloat16"``, ...).
+    dtype: str
+    #: The context length the engine is started with.
+    context_length: int
+    seed: int | None
+    logprobs_mode: str
+    pad_token_id: int
+    #: The backend's engine sub-dict (``vllm_cfg``, ``sglang_cfg``), every default filled in.
+    engine: Mapping[str, Any]
+    #: Passed to the engine's constructor as is, last (``vllm_kwargs``, ``sglang_kwargs``).
+    engine_kwargs: Mapping[str, Any]
+    use_gpus: bool
+    group: TiedGroup
+    #: The data-parallel index of this engine.
+    index: int
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return int(self.engine["tensor_parallel_size"])
+
+    @property
+    def sleep_enabled(self) -> bool:
+        return bool(self.engine["enable_sleep_mode"])
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One data-parallel shard of a validated batch and each of its samples' settings."""
+
+    input_ids: torch.Tensor
+    input_lengths: torch.Tensor
+    params: tuple[SampleParams, ...]
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def prompts(self) -> list[list[int]]:
+        """Each sample's unpadded prompt token ids."""
+        return [row[:n].tolist() for row, n in zip(self.input_ids, self.input_lengths.tolist())]
+
+    @classmethod
+    def shards(
+        cls, batch: BatchedDataDict[Any], params: Sequence[SampleParams], count: int
+    ) -> list[GenerateRequest]:
+        """``count`` contiguous requests in order (sizes differ by one at most, larger first;
+        some empty when the batch is smaller than ``count``)."""
+        pieces: list[BatchedDataDict[Any]] = BatchedDataDict(
+            {"input_ids": batch["input_ids"], "input_lengths": batch["input_lengths"], "params": list(params)}
+        ).shard_by_batch_size(count, allow_uneven_shards=True)
+        return [cls(p["input_ids"], p["input_lengths"], tuple(p["params"])) for p in pieces]
+
+
+class EngineWorker(ABC):
+    """A Ray actor owning one engine (the leader of a tied group). The driver calls the public
+    methods; an engine implements the ``_``-prefixed hooks. Sleep and wake are no-ops unless
+    the spec enables sleep mode; ``shutdown`` runs the engine's stop once."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self._stopped = False
+        self._start()
+
+    # ---- the protocol (what the driver calls) ---------------------------------------------------
+    def ready(self) -> dict[str, Any]:
+        """What the engine reports of itself once started (versions, ...)."""
+        return self._describe()
+
+    def generate(self, request: GenerateRequest) -> BatchedDataDict[Any]:
+        """Generate for one shard; output in the contract's layout."""
+        tokens, logprobs = self._generate(request.prompts(), request.params)
+        return assemble_from_lists(
+            request.input_ids, request.input_lengths, tokens, logprobs, self.spec.pad_token_id
+        )
+
+    def apply_bucket(self, data: bytes) -> None:
+        """Load one pickled, validated ``WeightBucket`` (one pickle per worker: shared-memory
+        handles open once per receiver)."""
+        self._load_bucket(pickle.loads(data).resolve())
+
+    def reset_prefix_cache(self) -> None:
+        self._reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Reset the prefix cache and, with sleep mode, release the engine's device memory."""
+        self._reset_prefix_cache()
+        if self.spec.sleep_enabled:
+            self._release_memory()
+
+    def wake(self, tags: list[str]) -> None:
+        if self.spec.sleep_enabled:
+            self._resume_memory(tags)
+
+    def shutdown(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self._stop()
+
+    # ---- engine hooks -------------------------------------------------------------------------
+    @abstractmethod
+    def _start(self) -> None:
+        """Start the engine from ``self.spec``."""
+
+    @abstractmethod
+    def _describe(self) -> dict[str, Any]:
+        """The engine's versions and anything else worth logging once."""
+
+    @abstractmethod
+    def _generate(
+        self, prompts: list[list[int]], params: Sequence[SampleParams]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Each sample's generated token ids and their logprobs."""
+
+    @abstractmethod
+    def _load_bucket(self, bucket: WeightBucket) -> None:
+        """Load a validated bucket of full (unsharded) HF-named tensors into every rank."""
+
+    @abstractmethod
+    def _reset_prefix_cache(self) -> None:
+        """Drop every cached prefix."""
+
+    @abstractmethod
+    def _release_memory(self) -> None:
+        """Sleep mode: free the weights' and the KV cache's device memory."""
+
+    @abstractmethod
+    def _resume_memory(self, tags: list[str]) -> None:
+        """Sleep mode: take back the memory of ``tags`` (``"weights"``, ``"kv_cache"``)."""
+
+    @abstractmethod
+    def _stop(self) -> None:
+        """Stop the engine and its processes."""

@@ -1,0 +1,78 @@
+"""``GenerationInterface``: the whole surface a trainer and the conformance suite use. Every backend
+implements it, usually through ``rollgen.BaseGeneration``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from rollgen.data import BatchedDataDict
+from rollgen.model_info import ModelInfo
+from rollgen.refit import Transport, WeightBucket, WeightSpec
+from rollgen.spec import Capability
+
+
+@runtime_checkable
+class GenerationInterface(Protocol):
+    """A generation engine, as ``rollgen.create_generation`` returns it."""
+
+    #: The config as validated, every default filled in.
+    cfg: dict[str, Any]
+    #: What rollgen read from the model folder (vocabulary, context length, EOS ids, ...).
+    model_info: ModelInfo
+    #: The longest prompt plus generation the engine takes (prompts must leave one token).
+    max_model_len: int
+    #: The transport ``refit()`` packs a local source with (``iter_buckets`` elsewhere).
+    local_transport: Transport
+
+    @property
+    def name(self) -> str:
+        """The backend's name (``"vllm"``, ``"hf"``, ...)."""
+
+    @property
+    def capabilities(self) -> frozenset[Capability]: ...
+
+    @property
+    def engine_dtype(self) -> torch.dtype:
+        """The dtype the engine holds weights in (what a refit must send, or cast to)."""
+
+    @property
+    def weight_spec(self) -> WeightSpec:
+        """What a refit may send: HF checkpoint names, full (unsharded) shapes, engine dtype."""
+
+    @property
+    def releases_memory_on_sleep(self) -> bool:
+        """Whether ``finish_generation`` really frees device memory (False: an honest no-op)."""
+
+    def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        """Right-padded ``input_ids``/``input_lengths`` in; GenerationOutputSpec out."""
+
+    def generate_text(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        """``{"prompts": [str], "stop_strings"?: [...]}`` in; ``{"texts": [str]}`` out."""
+
+    def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
+        """Wake (all of it, or only ``tags`` such as ``["weights"]`` then ``["kv_cache"]``)."""
+
+    def finish_generation(self) -> None:
+        """Sleep: reset the prefix cache and release memory where the backend can."""
+
+    def update_weights(self, buckets: WeightBucket | Iterable[WeightBucket]) -> None:
+        """Apply packed weight buckets (validated first; RefitError leaves old weights)."""
+
+    def refit(
+        self,
+        source: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        bucket_bytes: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        """Push a local model or state dict into the engine (validated, bucketed)."""
+
+    def shutdown(self) -> None:
+        """Release the engine. Idempotent."""
+
+    def __enter__(self) -> GenerationInterface: ...
+
+    def __exit__(self, *exc: object) -> None: ...
