@@ -114,7 +114,7 @@ def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[s
         pack_s += seconds
         if bucket is None:
             break
-        call_s += timed(partial(gen.update_weights, bucket))
+        call_s += timed(partial(gen.update_weights, bucket, partial=True))
         del bucket
         rank0 = gen.collective_rpc("bench_last_load")[0][0]
         map_s += rank0["map_s"]

@@ -103,3 +103,76 @@ def test_eos_ids_join_the_stop_ids_of_every_sample() -> None:
     data = {"input_ids": torch.zeros((2, 3), dtype=torch.long), "input_lengths": torch.tensor([3, 2])}
     params = resolve_sampling(cfg, data, greedy=False, max_model_len=16, eos_token_ids=(5, 2))
     assert [p.stop_token_ids for p in params] == [(7, 5, 2), (7, 5, 2)]
+
+
+def _model_copy(model_dir: str, dest) -> str:  # type: ignore[no-untyped-def]
+    """The model folder as links in ``dest``, so a test can break one file of it."""
+    from pathlib import Path
+
+    out = Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in Path(model_dir).iterdir():
+        (out / f.name).symlink_to(f.resolve())
+    return str(out)
+
+
+@pytest.mark.parametrize(
+    ("breakage", "message"),
+    [
+        ("config", "config.json: not readable JSON"),
+        ("no_weights", "holds no weights"),
+        ("bad_weights", "model.safetensors: not a readable safetensors file"),
+    ],
+)
+def test_a_broken_model_folder_is_a_config_error_naming_the_file(
+    hf_config: dict, tmp_path, breakage, message
+) -> None:  # type: ignore[no-untyped-def]
+    folder = _model_copy(hf_config["model_name"], tmp_path / "model")
+    target = tmp_path / "model" / ("config.json" if breakage == "config" else "model.safetensors")
+    target.unlink()
+    if breakage != "no_weights":
+        target.write_text("{ not json" if breakage == "config" else "garbage bytes, not a safetensors header")
+    with pytest.raises(ConfigError, match=message):
+        rollgen.create_generation({**hf_config, "model_name": folder})
+
+
+def test_engine_settings_that_cannot_work_are_config_errors(hf_config: dict) -> None:
+    with pytest.raises(ConfigError, match="above the model's context of 256"):
+        rollgen.create_generation({**hf_config, "max_model_len": 4096})
+    with pytest.raises(ConfigError, match="hf_kwargs"):
+        rollgen.create_generation({**hf_config, "hf_kwargs": {"no_such_option": 1}})
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            rollgen.create_generation({**hf_config, "hf_cfg": {"device": "cuda"}})
+    with pytest.raises(ConfigError, match="temperature: 3.0 is outside \\[-inf, 2.0\\]"):
+        rollgen.create_generation({**hf_config, "backend": "vllm", "temperature": 3.0})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message", "rows"),
+    [
+        ("temperature", [1.0, float("nan")], "finite number", [1]),
+        ("top_p", [float("nan"), 0.5], "finite number", [0]),
+        ("max_new_tokens", [2.7, 3.0], "must hold an integer", None),
+        ("top_k", [1.5, 2.0], "must hold an integer", None),
+        ("seed", [1.5, 2.0], "must hold an integer", None),
+        ("top_k", [0, 5], "top_k must be -1", [0]),
+        ("temperature", ["hot", "cold"], "tensor of numbers", None),
+        ("max_new_tokens", [0, 3], "greater than 0", [0]),
+        ("temprature", [1.0, 1.0], "did you mean 'temperature'", None),
+        ("extra", 5, "unknown batch key", None),
+    ],
+)
+def test_bad_per_sample_values_are_input_errors_before_any_engine_work(  # type: ignore[no-untyped-def]
+    hf_config: dict, key, value, message, rows
+) -> None:
+    with rollgen.create_generation(hf_config) as gen:
+        batch = {
+            "input_ids": torch.tensor([[5, 6], [7, 8]]),
+            "input_lengths": torch.tensor([2, 2]),
+            key: value,
+        }
+        with pytest.raises(InputError, match=message) as info:
+            gen.generate(batch)
+        if rows is not None:
+            assert info.value.samples == rows

@@ -40,3 +40,26 @@ def test_assembly_matches_loop(data) -> None:
     assert torch.equal(out["output_ids"], ref_ids)
     assert torch.equal(out["logprobs"], ref_lp)
     assert torch.equal(out["unpadded_sequence_lengths"], lengths + gen_len)
+
+
+def test_a_backends_output_is_checked_against_the_contract() -> None:
+    import pytest
+
+    from rollgen.errors import OutputError
+    from rollgen.output import assemble_from_lists, check_output
+
+    ids, lengths = torch.tensor([[1, 2, 0], [3, 4, 5]]), torch.tensor([2, 3])
+    good = assemble_from_lists(ids, lengths, [[7], [8, 9]], [[-0.5], [-0.1, -0.2]], 0)
+    check_output(good, ids, lengths)
+    cases = {
+        "float64": ({**good, "logprobs": good["logprobs"].double()}, "'logprobs': expected a torch.float32"),
+        "width": ({**good, "logprobs": good["logprobs"][:, :-1]}, r"'logprobs': expected shape \[2, 5\]"),
+        "missing": ({k: v for k, v in good.items() if k != "output_ids"}, "lacks \\['output_ids'\\]"),
+        "lengths": (
+            {**good, "unpadded_sequence_lengths": good["unpadded_sequence_lengths"] + 1},
+            "expected input_lengths \\+ generation_lengths",
+        ),
+    }
+    for out, message in cases.values():
+        with pytest.raises(OutputError, match=message):
+            check_output(out, ids, lengths)

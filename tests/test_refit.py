@@ -14,12 +14,16 @@ from rollgen.refit import (
     FLAT_ALIGN,
     GPU_BUCKET_BYTES,
     TensorMeta,
+    WeightSpec,
     check_against_spec,
+    check_source,
     default_bucket_bytes,
     flat_offsets,
     flatten,
     gpu_bucket_bytes,
     iter_buckets,
+    nonfinite,
+    pack_bucket,
     unflatten,
 )
 
@@ -84,7 +88,7 @@ def test_buckets_are_bounded_and_cast() -> None:
 
 
 def test_validation_lists_every_problem() -> None:
-    spec = {"a": ((2,), "float32"), "b": ((3,), "float32")}
+    spec = WeightSpec({"a": ((2,), "float32"), "b": ((3,), "float32"), "d": ((1,), "float32")})
     metas = [
         TensorMeta("a", (3,), "float32"),
         TensorMeta("b", (3,), "bfloat16"),
@@ -92,7 +96,58 @@ def test_validation_lists_every_problem() -> None:
     ]
     with pytest.raises(RefitError) as info:
         check_against_spec(metas, spec)
-    assert len(info.value.problems) == 3
+    assert len(info.value.problems) == 4, info.value.problems
+    assert "d: missing (pass partial=True" in str(info.value)
+
+
+def test_an_update_covers_the_model_or_whole_module_groups_of_it() -> None:
+    """Every tensor, a tied one under either of its names; ``partial``: the module groups sent,
+    whole (engines fuse q/k/v and gate/up within one)."""
+    shapes = {
+        "model.layers.0.self_attn.q_proj.weight": ((2,), "float32"),
+        "model.layers.0.self_attn.k_proj.weight": ((2,), "float32"),
+        "model.layers.0.mlp.up_proj.weight": ((2,), "float32"),
+        "model.embed_tokens.weight": ((2,), "float32"),
+        "lm_head.weight": ((2,), "float32"),
+    }
+    spec = WeightSpec(shapes, tied={"lm_head.weight": "model.embed_tokens.weight"})
+    attn = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"]
+    everything = [*attn, "model.layers.0.mlp.up_proj.weight", "lm_head.weight"]
+    assert spec.missing(everything) == [], "the tied embedding is sent as lm_head.weight"
+    assert spec.missing(attn) == [
+        "model.layers.0.mlp.up_proj.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    ]
+    assert spec.missing(attn, partial=True) == []
+    assert spec.missing(attn[:1], partial=True) == attn[1:], "half a fused group is refused"
+    check_against_spec([TensorMeta(n, (2,), "float32") for n in attn], spec, partial=True)
+
+
+def test_non_finite_tensors_are_named_while_packing() -> None:
+    good, nan = torch.ones(3), torch.tensor([1.0, float("nan")])
+    inf = torch.tensor([float("inf")], dtype=torch.bfloat16)
+    assert nonfinite([("a", good), ("b", nan), ("c", torch.arange(3)), ("d", inf)]) == ["b", "d"]
+    with pytest.raises(RefitError, match="NaN or infinite") as info:
+        pack_bucket([("a", good), ("b", nan)], "tensors")
+    assert info.value.problems == ["b"]
+    big = torch.tensor([1e5])
+    with pytest.raises(RefitError) as cast:
+        pack_bucket([("big", big)], "tensors", dtype=torch.float16)  # overflows in the cast
+    assert cast.value.problems == ["big"]
+    assert pack_bucket([("b", nan)], "tensors", check_finite=False).metas[0].name == "b"
+
+
+@pytest.mark.parametrize("source", [None, [torch.ones(1)], {"a": [1.0]}, {1: torch.ones(1)}])
+def test_a_bad_refit_source_is_a_refit_error(source: object) -> None:
+    with pytest.raises(RefitError, match="refit source|state dict maps"):
+        check_source(source)
+
+
+@pytest.mark.parametrize("size", [0, -1, 1.5, True, "1"])
+def test_a_bad_bucket_size_is_a_refit_error(size: object) -> None:
+    with pytest.raises(RefitError, match="bucket_bytes"):
+        list(iter_buckets({"a": torch.ones(1)}, "tensors", bucket_bytes=size))  # type: ignore[arg-type]
 
 
 def test_refit_matches_independent_hf(hf_config: dict) -> None:
@@ -157,3 +212,76 @@ def test_refit_resets_the_prefix_cache_only_after_a_generate(hf_config: dict, mo
         engine.refit(weights)
         engine.prepare_for_generation(["kv_cache"])
         assert resets == [1, 1]
+
+
+def test_a_refit_that_fails_part_way_marks_the_generation_stale(hf_config: dict) -> None:
+    """The last bucket holds a tensor that cannot be read (a meta tensor: it passes the name,
+    shape and dtype checks, then the engine fails to copy it). The buckets before it were
+    applied, so the engine holds mixed weights: generate refuses until a complete refit."""
+    from rollgen import StaleWeights
+    from rollgen.testing import load_reference_model
+
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
+    state = load_reference_model(hf_config["model_name"]).state_dict()
+    broken = {**state, "lm_head.weight": torch.empty_like(state["lm_head.weight"], device="meta")}
+    with rollgen.create_generation(hf_config) as engine:
+        before = engine.generate(batch, greedy=True)
+        with pytest.raises(NotImplementedError):
+            engine.refit(broken, bucket_bytes=64 << 10, check_finite=False)
+        with pytest.raises(StaleWeights, match="refit failed at bucket"):
+            engine.generate(batch, greedy=True)
+        engine.refit(state)
+        assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], before["output_ids"])
+
+
+def test_a_rejected_refit_leaves_the_engine_serving(hf_config: dict) -> None:
+    """NaN weights, a missing tensor, a bad source: RefitError before anything is applied."""
+    from rollgen.testing import load_reference_model
+
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
+    state = load_reference_model(hf_config["model_name"]).state_dict()
+    nan = {**state, "model.norm.weight": torch.full_like(state["model.norm.weight"], float("nan"))}
+    with rollgen.create_generation(hf_config) as engine:
+        before = engine.generate(batch, greedy=True)
+        with pytest.raises(RefitError) as info:
+            engine.refit(nan)
+        assert info.value.problems == ["model.norm.weight"]
+        with pytest.raises(RefitError, match="lm_head.weight: missing"):
+            engine.refit({k: v for k, v in state.items() if k != "lm_head.weight"})
+        with pytest.raises(RefitError, match="refit source"):
+            engine.refit(None)  # type: ignore[arg-type]
+        with pytest.raises(RefitError, match="update_weights takes"):
+            engine.update_weights(None)  # type: ignore[arg-type]
+        assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], before["output_ids"])
+
+
+def test_a_refit_from_another_thread_waits_for_a_running_generate(hf_config: dict) -> None:
+    """Calls on one generation object from several threads run one at a time: a generate sees
+    either the old weights or the new ones, never a mix (the HF engine reads its weights at
+    every token)."""
+    import threading
+
+    from rollgen.testing import load_reference_model
+
+    cfg = {**hf_config, "max_new_tokens": 64}
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]] * 8), "input_lengths": torch.tensor([4] * 8)}
+    other = load_reference_model(cfg["model_name"])
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.5)
+    with rollgen.create_generation(cfg) as engine:
+        old = engine.generate(batch, greedy=True)["output_ids"]
+        engine.refit(other)
+        new = engine.generate(batch, greedy=True)["output_ids"]
+        engine.refit(load_reference_model(cfg["model_name"]))
+        assert not torch.equal(old, new)
+        results: list[torch.Tensor] = []
+        thread = threading.Thread(
+            target=lambda: results.append(engine.generate(batch, greedy=True)["output_ids"])
+        )
+        thread.start()
+        engine.refit(other)
+        thread.join()
+    assert torch.equal(results[0], old) or torch.equal(results[0], new), (
+        "the generate mixed two weight versions"
+    )

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 
 from rollgen import refit as refit_mod
 from rollgen.data import BatchedDataDict, right_pad
-from rollgen.errors import EngineAsleep, EngineClosed, InputError, RefitError, UnsupportedCapability
+from rollgen.errors import (
+    ConfigError,
+    EngineAsleep,
+    EngineClosed,
+    InputError,
+    RefitError,
+    StaleWeights,
+    UnsupportedCapability,
+)
 from rollgen.model_info import ModelInfo
-from rollgen.output import empty_output
+from rollgen.output import check_output, empty_output
 from rollgen.refit import WeightBucket, WeightSpec
 from rollgen.sampling import SampleParams, resolve_sampling, truncate_at_stop
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
@@ -21,6 +32,19 @@ from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
 logger = logging.getLogger(__name__)
 
 WAKE_TAGS = ("weights", "kv_cache")
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def serialised(method: _Method) -> _Method:
+    """Run ``method`` under the generation's lock: calls from several threads on one generation
+    object run one at a time, in the order they take the lock."""
+
+    @functools.wraps(method)
+    def locked(self: BaseGeneration, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return cast(_Method, locked)
 
 
 class BaseGeneration(ABC):
@@ -38,7 +62,16 @@ class BaseGeneration(ABC):
         self.cluster = cluster
         self.backend = backend or get_registry().get(self.cfg["backend"]).backend
         self.model_info = ModelInfo.from_dir(self.cfg["model_name"])
-        self.max_model_len = int(self.cfg.get("max_model_len") or self.model_info.max_position_embeddings)
+        if self.reads_weights:
+            self.model_info.check_weight_files()
+        context = self.model_info.max_position_embeddings
+        if (self.cfg.get("max_model_len") or 0) > context:
+            raise ConfigError(
+                f"max_model_len={self.cfg['max_model_len']} is above the model's context of {context} "
+                "tokens (max_position_embeddings in its config.json)"
+            )
+        self.max_model_len = int(self.cfg.get("max_model_len") or context)
+        self._check_limits_of_config()
         self._awake = set(WAKE_TAGS)
         #: Whether the engine may hold cached prefixes: a generate ran since the last reset (a
         #: sleep resets too). A refit resets the prefix cache only then.
@@ -46,10 +79,48 @@ class BaseGeneration(ABC):
         self._closed = False
         self._tokenizer: Any = None
         self._weight_spec: WeightSpec | None = None
+        #: Why the engine may hold mixed weights (a refit failed part-way), until a complete refit.
+        self._stale: str | None = None
+        #: Calls from several threads run one at a time (a refit waits for a running generate).
+        self._lock = threading.RLock()
         seed = self.cfg.get("seed")
         self._seed_rng = None if seed is None else torch.Generator().manual_seed(int(seed))
         if self.cfg.get("logprobs_mode") == "processed":
             self.require(Capability.PROCESSED_LOGPROBS, "logprobs_mode='processed'")
+
+    #: Bounds of sampling settings tighter than the contract's that this engine enforces
+    #: (``{"temperature": (low, high)}``, None for no bound): checked in the config at creation
+    #: and in each batch's per-sample values, before any engine work.
+    sampling_limits: ClassVar[Mapping[str, tuple[float | None, float | None]]] = {}
+
+    @property
+    def reads_weights(self) -> bool:
+        """Whether the engine loads its weights from the model folder (checked at creation)."""
+        return True
+
+    def _check_limits_of_config(self) -> None:
+        problems = [
+            f"{key}: {self.cfg[key]} is outside {_bounds(lo, hi)}, which the {self.name} engine takes"
+            for key, (lo, hi) in self.sampling_limits.items()
+            if self.cfg.get(key) is not None and not _within(self.cfg[key], lo, hi)
+        ]
+        if problems:
+            raise ConfigError(f"invalid config for backend {self.name!r}", problems)
+
+    def _check_limits_of_batch(self, batch: Mapping[str, Any]) -> None:
+        for key, (lo, hi) in self.sampling_limits.items():
+            if key in batch:
+                values = torch.as_tensor(batch[key]).double()
+                bad = (values < (-math.inf if lo is None else lo)) | (
+                    values > (math.inf if hi is None else hi)
+                )
+                if bad.any():
+                    rows = bad.nonzero().flatten().tolist()
+                    raise InputError(
+                        f"sample(s) {rows}: per-sample {key} outside {_bounds(lo, hi)}, which the "
+                        f"{self.name} engine takes",
+                        rows,
+                    )
 
     # ---- capabilities and state -------------------------------------------------------------
     @property
@@ -73,16 +144,25 @@ class BaseGeneration(ABC):
         if self._closed:
             raise EngineClosed(f"{self.name} generation was shut down; create a new one")
 
+    def _check_fresh(self) -> None:
+        if self._stale is not None:
+            raise StaleWeights(
+                f"{self.name}: {self._stale}; the engine may hold a mix of old and new weights. "
+                "Call refit() (or update_weights()) with the complete weights before generating"
+            )
+
     def _check_awake(self, tags: Iterable[str], what: str) -> None:
         asleep = [t for t in tags if t not in self._awake]
         if asleep:
             raise EngineAsleep(f"cannot {what}: {', '.join(asleep)} asleep; call prepare_for_generation()")
 
     # ---- generation ---------------------------------------------------------------------------
+    @serialised
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
         from rollgen.validation import validate_generation_input
 
         self._check_open()
+        self._check_fresh()
         self._check_awake(WAKE_TAGS, "generate")
         batch = validate_generation_input(
             data,
@@ -90,6 +170,7 @@ class BaseGeneration(ABC):
             vocab_size=self.model_info.vocab_size,
             max_model_len=self.max_model_len,
         )
+        self._check_limits_of_batch(batch)
         if batch.get("stop_strings") is not None and any(batch["stop_strings"]):
             self.require(Capability.STOP_STRINGS, "per-sample stop_strings")
         if self.cfg.get("stop_strings"):
@@ -102,7 +183,9 @@ class BaseGeneration(ABC):
         if "seed" not in batch and self._seed_rng is not None and not greedy:
             batch["seed"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_rng)
         self._prefixes_cached = True  # before the call: a failed generate may have cached some
-        return self._generate(batch, greedy)
+        out = self._generate(batch, greedy)
+        check_output(out, batch["input_ids"], batch["input_lengths"])
+        return out
 
     def sample_params(self, batch: Mapping[str, Any], greedy: bool) -> list[SampleParams]:
         """Per-sample settings for a validated batch (used by backends inside ``_generate``)."""
@@ -148,6 +231,7 @@ class BaseGeneration(ABC):
         return BatchedDataDict({"texts": texts})
 
     # ---- sleep / wake -------------------------------------------------------------------------
+    @serialised
     def prepare_for_generation(self, tags: Sequence[str] | None = None) -> None:
         self._check_open()
         self.require(Capability.SLEEP_WAKE, "prepare_for_generation (wake)")
@@ -160,6 +244,7 @@ class BaseGeneration(ABC):
             self._wake(todo)
             self._awake.update(todo)
 
+    @serialised
     def finish_generation(self) -> None:
         self._check_open()
         self.require(Capability.SLEEP_WAKE, "finish_generation (sleep)")
@@ -192,13 +277,22 @@ class BaseGeneration(ABC):
         """The dtype the engine holds weights in."""
         return resolve_dtype(self.cfg.get("dtype", "auto"), self.model_info)
 
-    def check_weights(self, metas: Iterable[refit_mod.TensorMeta]) -> None:
-        """RefitError (listing every problem) unless every tensor matches the served model."""
-        refit_mod.check_against_spec(metas, self.weight_spec)
+    def check_weights(self, metas: Iterable[refit_mod.TensorMeta], partial: bool = False) -> None:
+        """RefitError (listing every problem) unless the tensors match the served model and
+        cover all of it (``partial``: whole module groups of it)."""
+        refit_mod.check_against_spec(metas, self.weight_spec, partial)
 
-    def update_weights(self, buckets: WeightBucket | Iterable[WeightBucket]) -> None:
+    @serialised
+    def update_weights(
+        self, buckets: WeightBucket | Iterable[WeightBucket], *, partial: bool = False
+    ) -> None:
+        """Apply buckets packed by ``rollgen.iter_buckets`` (in this or another process; checked
+        there for NaN and infinite values). Names, shapes and dtypes are checked first, and that
+        they cover the whole model (``partial=True``: whole module groups of it)."""
         self._check_open()
         self._check_awake(["weights"], "update weights")
+        if buckets is None or isinstance(buckets, (str, bytes, Mapping, torch.Tensor)):
+            raise RefitError(f"update_weights takes a WeightBucket or several, got {type(buckets).__name__}")
         items = [buckets] if isinstance(buckets, WeightBucket) else list(buckets)
         for b in items:
             if not isinstance(b, WeightBucket):
@@ -206,32 +300,59 @@ class BaseGeneration(ABC):
             if b.transport not in refit_mod.TRANSPORT_CAPABILITY:
                 raise RefitError(f"unknown refit transport {b.transport!r}")
             self.require(refit_mod.TRANSPORT_CAPABILITY[b.transport], f"refit over {b.transport}")
-        self.check_weights(m for b in items for m in b.metas)
-        for b in items:
-            self._apply_bucket(b)
-        self._invalidate_prefixes()
+        self.check_weights((m for b in items for m in b.metas), partial)
+        self._apply(items, partial, f"update_weights of {len(items)} bucket(s)")
 
+    @serialised
     def refit(
         self,
         source: torch.nn.Module | Mapping[str, torch.Tensor],
         *,
         bucket_bytes: int | None = None,
         dtype: torch.dtype | None = None,
+        partial: bool = False,
+        check_finite: bool = True,
     ) -> None:
-        """Push a local model or state dict into the engine: validate everything, then stream
-        bounded buckets over ``local_transport`` (``bucket_bytes`` None: a quarter of the free
-        memory of the source's GPU, 64 MiB to 4 GiB; 1 GiB from host memory). ``dtype`` casts
-        while packing."""
+        """Push a local model or state dict into the engine: validate everything (names, shapes,
+        dtypes, the whole model covered unless ``partial``, no NaN or infinite value unless
+        ``check_finite`` is False), then stream bounded buckets over ``local_transport``
+        (``bucket_bytes`` None: a quarter of the free memory of the source's GPU, 64 MiB to 4 GiB;
+        1 GiB from host memory). ``dtype`` casts while packing."""
         self._check_open()
         self._check_awake(["weights"], "refit")
         self.require(refit_mod.TRANSPORT_CAPABILITY[self.local_transport], "refit")
+        refit_mod.check_source(source)
+        refit_mod.check_bucket_bytes(bucket_bytes)
         spec = refit_mod.source_spec(source, dtype)
-        self.check_weights(refit_mod.TensorMeta(n, s, d) for n, (s, d) in spec.items())
-        for bucket in refit_mod.iter_buckets(
-            source, self.local_transport, bucket_bytes=bucket_bytes, dtype=dtype
-        ):
-            self._apply_bucket(bucket)
-            del bucket  # freed before the next one is packed: one bucket beyond the model at most
+        self.check_weights((refit_mod.TensorMeta(n, s, d) for n, (s, d) in spec.items()), partial)
+        if check_finite:
+            refit_mod.require_finite(refit_mod.named_tensors(source))
+        buckets = refit_mod.iter_buckets(
+            source,
+            self.local_transport,
+            bucket_bytes=bucket_bytes,
+            dtype=dtype,
+            # the source was checked; a cast to a narrower dtype may still overflow
+            check_finite=check_finite and dtype is not None,
+        )
+        self._apply(buckets, partial, "refit")
+
+    def _apply(self, buckets: Iterable[WeightBucket], partial: bool, what: str) -> None:
+        """Load validated buckets one at a time (each freed before the next is packed). A
+        failure after the first bucket reached the engine marks the generation stale."""
+        applied = 0
+        try:
+            for bucket in buckets:
+                applied += 1
+                self._apply_bucket(bucket)
+                del bucket
+        except BaseException as exc:
+            if applied:
+                self._stale = f"{what} failed at bucket {applied} ({type(exc).__name__}: {exc})"
+                logger.error("%s: %s; generation is stale until a complete refit", self.name, self._stale)
+            raise
+        if not partial:
+            self._stale = None
         self._invalidate_prefixes()
 
     @abstractmethod
@@ -250,6 +371,7 @@ class BaseGeneration(ABC):
         them itself)."""
 
     # ---- shutdown -----------------------------------------------------------------------------
+    @serialised
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -264,6 +386,14 @@ class BaseGeneration(ABC):
 
     def _shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine needs it
         """Free the engine."""
+
+
+def _within(value: float, low: float | None, high: float | None) -> bool:
+    return (low is None or value >= low) and (high is None or value <= high)
+
+
+def _bounds(low: float | None, high: float | None) -> str:
+    return f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
 
 
 def resolve_dtype(name: str, info: ModelInfo) -> torch.dtype:

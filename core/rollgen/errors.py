@@ -88,3 +88,14 @@ class EngineClosed(RollgenError):
 class EngineAsleep(RollgenError):
     """The engine is asleep (or only partly awake) for what was asked; call
     ``prepare_for_generation()`` first."""
+
+
+class StaleWeights(RollgenError):
+    """A weight update failed after part of it was applied: the engine (or some of its replicas)
+    may hold a mix of old and new weights. Nothing is generated until a complete refit
+    succeeds."""
+
+
+class OutputError(RollgenError):
+    """A backend returned output that breaks the output contract (a bug in the backend, found
+    by the core's check of every result)."""

@@ -58,7 +58,9 @@ class GenerationInterface(Protocol):
     def finish_generation(self) -> None:
         """Sleep: reset the prefix cache and release memory where the backend can."""
 
-    def update_weights(self, buckets: WeightBucket | Iterable[WeightBucket]) -> None:
+    def update_weights(
+        self, buckets: WeightBucket | Iterable[WeightBucket], *, partial: bool = False
+    ) -> None:
         """Apply packed weight buckets (validated first; RefitError leaves old weights)."""
 
     def refit(
@@ -67,6 +69,8 @@ class GenerationInterface(Protocol):
         *,
         bucket_bytes: int | None = None,
         dtype: torch.dtype | None = None,
+        partial: bool = False,
+        check_finite: bool = True,
     ) -> None:
         """Push a local model or state dict into the engine (validated, bucketed)."""
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from rollgen.errors import ConfigError
-from rollgen.refit import WeightSpec, dtype_name
+from rollgen.refit import WeightSpec
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class ModelInfo:
         config = AutoConfig.from_pretrained(self.path)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        return {n: (tuple(t.shape), dtype_name(dtype)) for n, t in model.state_dict().items()}
+        return WeightSpec.of_module(model, dtype)
 
     @classmethod
     def from_dir(cls, path: str) -> ModelInfo:
@@ -41,19 +43,51 @@ class ModelInfo:
                 f"model_name {path!r} is not a local model folder with a config.json "
                 "(rollgen loads models from disk; `rollgen.testing.tiny_model_dir()` builds one)"
             )
-        raw = json.loads(config_file.read_text())
+        raw = _read_json(config_file)
         text = raw.get("text_config", raw)
         generation_file = Path(path) / "generation_config.json"
-        generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+        generation = _read_json(generation_file) if generation_file.is_file() else {}
         eos = generation.get("eos_token_id", text.get("eos_token_id", raw.get("eos_token_id")))
-        return cls(
-            path=str(path),
-            vocab_size=int(text["vocab_size"]),
-            max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
-            torch_dtype=text.get("torch_dtype") or text.get("dtype"),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            eos_token_ids=_ids(eos),
-        )
+        try:
+            return cls(
+                path=str(path),
+                vocab_size=int(text["vocab_size"]),
+                max_position_embeddings=int(text.get("max_position_embeddings", 2048)),
+                torch_dtype=text.get("torch_dtype") or text.get("dtype"),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                eos_token_ids=_ids(eos),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"{config_file}: not a usable model config ({type(exc).__name__}: {exc})"
+            ) from None
+
+    def check_weight_files(self) -> None:
+        """ConfigError unless the folder holds weights an engine can load: safetensors files whose
+        headers read (the whole file is not read), or PyTorch ``.bin`` files."""
+        folder = Path(self.path)
+        tensors = sorted(folder.glob("*.safetensors"))
+        for file in tensors:
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    f.keys()
+            except (SafetensorError, OSError) as exc:
+                raise ConfigError(f"{file}: not a readable safetensors file ({exc})") from None
+        if not tensors and not list(folder.glob("*.bin")):
+            raise ConfigError(
+                f"model folder {self.path!r} holds no weights (*.safetensors or *.bin); for random "
+                "weights that a refit replaces, use the engine's load_format 'dummy' where it has one"
+            )
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{file}: not readable JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _ids(value: int | list[int] | None) -> tuple[int, ...]:

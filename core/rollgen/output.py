@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from rollgen.data import BatchedDataDict, right_pad
-from rollgen.errors import RollgenError
+from rollgen.errors import OutputError
+
+#: Every output key and its dtype.
+OUTPUT_DTYPES = {
+    "output_ids": torch.long,
+    "logprobs": torch.float32,
+    "generation_lengths": torch.long,
+    "unpadded_sequence_lengths": torch.long,
+}
 
 
 def empty_output(width: int = 0) -> BatchedDataDict[Any]:
@@ -70,7 +78,38 @@ def assemble_from_lists(
     a sample whose logprobs do not match its tokens raises instead of being padded over."""
     bad = [i for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)) if len(t) != len(lp)]
     if bad:
-        raise RollgenError(f"the engine returned logprobs that do not match the tokens of samples {bad}")
+        raise OutputError(f"the engine returned logprobs that do not match the tokens of samples {bad}")
     gen_ids, gen_lengths = right_pad(tokens, 0, torch.long)
     gen_lps, _ = right_pad(logprobs, 0.0, torch.float32)
     return assemble_output(input_ids, input_lengths, gen_ids, gen_lps, gen_lengths, pad_token_id)
+
+
+def check_output(out: Mapping[str, Any], input_ids: torch.Tensor, input_lengths: torch.Tensor) -> None:
+    """OutputError, naming the key, what was expected and what came, unless ``out`` (a backend's
+    result for the batch ``input_ids``/``input_lengths``) meets the output contract's layout."""
+    if not isinstance(out, Mapping):
+        raise OutputError(f"the backend returned a {type(out).__name__}, not a dict of tensors")
+    missing = [k for k in OUTPUT_DTYPES if k not in out]
+    if missing:
+        raise OutputError(f"the backend's output lacks {missing} (it has {sorted(out)})")
+    for key, dtype in OUTPUT_DTYPES.items():
+        value = out[key]
+        if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+            got = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise OutputError(f"output {key!r}: expected a {dtype} tensor, got {got}")
+    batch, width = input_ids.shape
+    gen = out["generation_lengths"]
+    if gen.shape != (batch,):
+        raise OutputError(f"output 'generation_lengths': expected shape [{batch}], got {list(gen.shape)}")
+    expected = [batch, width + (int(gen.max()) if batch else 0)]
+    for key in ("output_ids", "logprobs"):
+        if list(out[key].shape) != expected:
+            raise OutputError(
+                f"output {key!r}: expected shape {expected} ([batch, input width + longest generation]), "
+                f"got {list(out[key].shape)}"
+            )
+    if not torch.equal(out["unpadded_sequence_lengths"].cpu(), input_lengths.cpu() + gen.cpu()):
+        raise OutputError(
+            "output 'unpadded_sequence_lengths': expected input_lengths + generation_lengths "
+            f"{(input_lengths.cpu() + gen.cpu()).tolist()}, got {out['unpadded_sequence_lengths'].tolist()}"
+        )

@@ -55,7 +55,44 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-WeightSpec = dict[str, tuple[tuple[int, ...], str]]
+class WeightSpec(dict[str, tuple[tuple[int, ...], str]]):
+    """What a refit of the served model sends: HF name → (full shape, dtype name). ``tied`` maps
+    each name that shares its tensor with an earlier one (``lm_head.weight`` of a model that ties
+    it to the embeddings) to that name: a refit sends the tensor once, under either name."""
+
+    def __init__(
+        self,
+        items: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
+        tied: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(items or {})
+        self.tied = dict(tied or {})
+
+    @classmethod
+    def of_module(cls, module: torch.nn.Module, dtype: torch.dtype | None = None) -> WeightSpec:
+        """The spec of ``module``'s state dict (its dtypes, or ``dtype``); tensors registered under
+        several names (tied weights) are one tensor."""
+        spec = cls()
+        tied: dict[str, str] = {}
+        first: dict[int, str] = {}
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            spec[name] = (tuple(tensor.shape), dtype_name(dtype or tensor.dtype))
+            if id(tensor) in first:
+                tied[name] = first[id(tensor)]
+            else:
+                first[id(tensor)] = name
+        spec.tied = tied
+        return spec
+
+    def missing(self, names: Iterable[str], partial: bool = False) -> list[str]:
+        """The names a refit sending ``names`` leaves out (a tied tensor is sent under one of
+        its names). ``partial``: only those of the module groups it sends (engines fuse the
+        tensors of a group, so a partial update sends whole groups)."""
+        sent = {self.tied.get(n, n) for n in names}
+        groups = {module_group(n) for n in names}
+        return [
+            n for n in self if self.tied.get(n, n) not in sent and (not partial or module_group(n) in groups)
+        ]
 
 
 @dataclass
@@ -103,6 +140,30 @@ class WeightBucket:
         return [(m.name, t) for m, t in zip(self.metas, tensors, strict=True)]
 
 
+def check_source(source: Any) -> None:
+    """RefitError unless ``source`` is a module or a mapping of names to torch tensors."""
+    if isinstance(source, torch.nn.Module):
+        return
+    if not isinstance(source, Mapping):
+        raise RefitError(
+            f"a refit source is a torch.nn.Module or a mapping of names to tensors (a state dict), "
+            f"got {type(source).__name__}"
+        )
+    bad = [str(k) for k, v in source.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor))]
+    if bad:
+        raise RefitError("a state dict maps parameter names to torch tensors; these entries do not", bad)
+
+
+def check_bucket_bytes(bucket_bytes: Any) -> None:
+    """RefitError unless ``bucket_bytes`` is None or a positive integer."""
+    if bucket_bytes is not None and (
+        isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0
+    ):
+        raise RefitError(
+            f"bucket_bytes must be None (the default size) or a positive int, got {bucket_bytes!r}"
+        )
+
+
 def named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of a module's state dict or of a mapping. A tensor that is another
     one under a second name (tied weights, e.g. ``lm_head.weight`` of a model that ties it to the
@@ -119,7 +180,7 @@ def named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> Itera
 
 def source_spec(
     source: torch.nn.Module | Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
-) -> WeightSpec:
+) -> dict[str, tuple[tuple[int, ...], str]]:
     """Names, shapes and dtypes of what ``source`` would send (after the cast to ``dtype``)."""
     return {n: (tuple(t.shape), dtype_name(dtype or t.dtype)) for n, t in named_tensors(source)}
 
@@ -146,12 +207,15 @@ def iter_buckets(
     *,
     bucket_bytes: int | None = None,
     dtype: torch.dtype | None = None,
+    check_finite: bool = True,
 ) -> Iterator[WeightBucket]:
     """Trainer-side helper: pack ``source`` into buckets of about ``bucket_bytes`` (None:
     ``default_bucket_bytes``). Buckets are made one at a time, so a cast or a copy into shared
     memory or a flat GPU buffer never holds more than one bucket beyond the model. Tensors of one
     module group (``module_group``) never straddle two buckets: engines fuse siblings such as
-    q/k/v or gate/up and must receive them together."""
+    q/k/v or gate/up and must receive them together. Each bucket is checked for NaN and infinite
+    values after the cast (``check_finite``)."""
+    check_bucket_bytes(bucket_bytes)
     if bucket_bytes is None:
         bucket_bytes = default_bucket_bytes(source)
     group: list[tuple[str, torch.Tensor]] = []
@@ -161,13 +225,13 @@ def iter_buckets(
         nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
         key = module_group(name)
         if group and key != last_key and size + nbytes > bucket_bytes:
-            yield pack_bucket(group, transport, dtype=dtype)
+            yield pack_bucket(group, transport, dtype=dtype, check_finite=check_finite)
             group, size = [], 0
         group.append((name, tensor))
         size += nbytes
         last_key = key
     if group:
-        yield pack_bucket(group, transport, dtype=dtype)
+        yield pack_bucket(group, transport, dtype=dtype, check_finite=check_finite)
 
 
 def module_group(name: str) -> str:
@@ -176,13 +240,41 @@ def module_group(name: str) -> str:
     return name.rsplit(".", 2)[0]
 
 
+def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the floating-point tensors that hold a NaN or an infinity (one fused
+    max-abs pass and one host sync per device)."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in named:
+        if tensor.is_floating_point() and tensor.numel():
+            by_device.setdefault(tensor.device, []).append((name, tensor.detach()))
+    bad = []
+    for group in by_device.values():
+        peaks = torch._foreach_norm([t for _, t in group], float("inf"))
+        finite = torch.stack([p.float() for p in peaks]).isfinite().tolist()
+        bad += [name for (name, _), ok in zip(group, finite) if not ok]
+    return bad
+
+
+def require_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """RefitError naming every tensor that holds a NaN or an infinity."""
+    bad = nonfinite(named)
+    if bad:
+        raise RefitError(
+            f"weight update rejected: {len(bad)} tensor(s) hold NaN or infinite values; nothing of "
+            "them was applied (check the trainer's step; check_finite=False skips this check)",
+            bad,
+        )
+
+
 def pack_bucket(
     named: Iterable[tuple[str, torch.Tensor]],
     transport: Transport,
     *,
     dtype: torch.dtype | None = None,
+    check_finite: bool = True,
 ) -> WeightBucket:
-    """Pack named tensors for ``transport`` (casting to ``dtype`` first when given)."""
+    """Pack named tensors for ``transport`` (casting to ``dtype`` first when given). RefitError
+    if a tensor holds a NaN or an infinity, after the cast (unless ``check_finite`` is False)."""
     names, tensors = [], []
     for name, tensor in named:
         t = tensor.detach()
@@ -190,6 +282,8 @@ def pack_bucket(
             t = t.to(dtype)
         names.append(name)
         tensors.append(t.contiguous())
+    if check_finite:
+        require_finite(zip(names, tensors))
     metas = tuple(TensorMeta.of(n, t) for n, t in zip(names, tensors))
     if transport == "tensors":
         return WeightBucket(transport, metas, tensors)
@@ -299,8 +393,10 @@ def load_into_module(module: torch.nn.Module, named: Iterable[tuple[str, torch.T
         state[name].copy_(tensor)
 
 
-def check_against_spec(metas: Iterable[TensorMeta], expected: WeightSpec) -> None:
-    """Raise RefitError listing every unknown name, shape or dtype mismatch."""
+def check_against_spec(metas: Iterable[TensorMeta], expected: WeightSpec, partial: bool = False) -> None:
+    """Raise RefitError listing every unknown name, shape or dtype mismatch, and every tensor of
+    the served model the update leaves out (``partial``: of the module groups it sends)."""
+    metas = list(metas)
     problems = []
     for m in metas:
         if m.name not in expected:
@@ -311,6 +407,11 @@ def check_against_spec(metas: Iterable[TensorMeta], expected: WeightSpec) -> Non
             problems.append(f"{m.name}: shape {list(m.shape)}, the model has {list(shape)}")
         if m.dtype != dtype:
             problems.append(f"{m.name}: dtype {m.dtype}, the model has {dtype} (pass dtype= to cast)")
+    missing = expected.missing((m.name for m in metas), partial)
+    if missing and partial:
+        problems += [f"{n}: missing; a partial update sends whole module groups" for n in missing]
+    elif missing:
+        problems += [f"{n}: missing (pass partial=True for a deliberate partial update)" for n in missing]
     if problems:
         raise RefitError(
             f"weight update rejected ({len(problems)} problem(s)); nothing was applied and the "

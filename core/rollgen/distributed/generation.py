@@ -161,6 +161,10 @@ class RayGeneration(BaseGeneration):
         return dict(engine)
 
     @property
+    def reads_weights(self) -> bool:
+        return self.cfg[self.engine_key].get("load_format") != "dummy"
+
+    @property
     def worker_specs(self) -> list[WorkerSpec]:
         """The spec each engine worker was started with, in data-parallel order."""
         return [self.plan.worker_spec(g, i) for i, g in enumerate(self.group.groups)]

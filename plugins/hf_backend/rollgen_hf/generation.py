@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from rollgen.base import BaseGeneration
 from rollgen.data import BatchedDataDict
+from rollgen.errors import ConfigError
 from rollgen.output import assemble_output
-from rollgen.refit import WeightBucket, WeightSpec, dtype_name, load_into_module
+from rollgen.refit import WeightBucket, WeightSpec, load_into_module
 from rollgen_hf.decode import decode
 
 logger = logging.getLogger(__name__)
@@ -31,15 +32,22 @@ class HfGeneration(BaseGeneration):
         device = hf_cfg["device"]
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except RuntimeError as exc:
+            raise ConfigError(f"hf_cfg.device {device!r} is not a torch device: {exc}") from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"hf_cfg.device {device!r}: CUDA is not available here; use 'cpu' or 'auto'")
         kwargs = dict(self.cfg["hf_kwargs"])
         if hf_cfg["attn_implementation"] is not None:
             kwargs["attn_implementation"] = hf_cfg["attn_implementation"]
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(self.cfg["model_name"], dtype=self.engine_dtype, **kwargs)
-            .to(self.device)
-            .eval()
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                self.cfg["model_name"], dtype=self.engine_dtype, **kwargs
+            )
+        except TypeError as exc:  # a keyword the model's constructor does not take
+            raise ConfigError(f"hf_kwargs {sorted(kwargs)} were not accepted: {exc}") from None
+        self.model = model.to(self.device).eval()
         # draws for samples without a seed (with a config seed, the core seeds every sample)
         self._generator = torch.Generator()
         self._generator.seed()
@@ -76,7 +84,7 @@ class HfGeneration(BaseGeneration):
         )
 
     def _expected_weights(self) -> WeightSpec:
-        return {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in self.model.state_dict().items()}
+        return WeightSpec.of_module(self.model)
 
     def _apply_bucket(self, bucket: WeightBucket) -> None:
         load_into_module(self.model, bucket.unpack())

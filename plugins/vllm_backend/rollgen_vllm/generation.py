@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from rollgen.distributed import RayGeneration
 from rollgen.distributed.generation import EnginePlan
@@ -39,6 +40,8 @@ class VllmGeneration(RayGeneration):
 
     worker_cls = "rollgen_vllm.worker:VllmWorker"
     engine_key = "vllm_cfg"
+    #: vLLM refuses temperatures above 2 (``SamplingParams``, 0.32).
+    sampling_limits: ClassVar[Mapping[str, tuple[float | None, float | None]]] = {"temperature": (None, 2.0)}
 
     def machine_defaults(self, engine: dict[str, Any], use_gpus: bool) -> dict[str, Any]:
         return machine_defaults(engine, use_gpus)
