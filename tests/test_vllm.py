@@ -149,3 +149,28 @@ def test_cpu_engines_get_a_kv_cache_that_fits_the_machine() -> None:
     assert on_gpu["in_process"] is False and on_gpu["kv_cache_memory_bytes"] is None
     given = machine_defaults({**engine, "kv_cache_memory_bytes": 5}, use_gpus=False)
     assert given["kv_cache_memory_bytes"] == 5, "a size the config gives is kept"
+
+
+def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(vllm_config: dict) -> None:
+    """A DP=2 generation with the CPU defaults: once ``shutdown()`` returns, its actors are dead,
+    their processes gone, its placement group removed and /dev/shm as it was."""
+    import glob
+    import os
+
+    cfg = {**vllm_config, "vllm_cfg": {"data_parallel_size": 2, "cpus_per_bundle": 0.1}}
+    shm_before = set(glob.glob("/dev/shm/*"))
+    gen = rollgen.create_generation(cfg)
+    pids = [info["pid"] for info in gen.engine_info]
+    actors, pg_names = list(gen.group.workers), {pg.id.hex() for pg in gen.cluster.get_placement_groups()}
+    gen.shutdown()
+    running = [p for p in pids if os.path.exists(f"/proc/{p}")]
+    assert not running, f"engine worker processes {running} outlive shutdown"
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.__ray_ready__.remote(), timeout=60)
+    table = ray.util.placement_group_table()
+    assert all(table[pg]["state"] == "REMOVED" for pg in pg_names), {
+        pg: table[pg]["state"] for pg in pg_names
+    }
+    left = set(glob.glob("/dev/shm/*")) - shm_before
+    assert not left, f"shared-memory files left behind: {sorted(left)}"

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
+import time
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -98,6 +100,30 @@ def leader_resources(cluster: RayVirtualCluster, tp: int, use_gpus: bool) -> dic
         "num_gpus": cluster.gpus_per_bundle / 2 if tp == 1 else 0,
         "num_cpus": cluster.cpus_per_bundle / 2,
     }
+
+
+def wait_for_exit(pids: list[int], timeout_s: float = 30.0) -> None:
+    """Return once the processes ``pids`` (of this machine) have exited (Ray ends a killed
+    actor's process shortly after it reports the actor dead); log those that outlive
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if _running(p)]
+        if alive:
+            time.sleep(0.05)
+    if alive:
+        logger.warning("engine worker processes %s still run %.0f s after shutdown", alive, timeout_s)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process now has the pid
+        return False
+    return True
 
 
 class RayGeneration(BaseGeneration):
@@ -204,5 +230,7 @@ class RayGeneration(BaseGeneration):
         group = getattr(self, "group", None)
         if group is not None:
             group.shutdown(EngineWorker.shutdown)
+            here = ray.get_runtime_context().get_node_id()
+            wait_for_exit([i["pid"] for i in getattr(self, "engine_info", []) if i["node"] == here])
         if self._own_cluster and getattr(self, "cluster", None) is not None:
             self.cluster.shutdown()

@@ -6,6 +6,7 @@ engine hooks (vLLM's and SGLang's workers subclass it)."""
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -92,8 +93,11 @@ class EngineWorker(ABC):
 
     # ---- the protocol (what the driver calls) ---------------------------------------------------
     def ready(self) -> dict[str, Any]:
-        """What the engine reports of itself once started (versions, ...)."""
-        return self._describe()
+        """What the engine reports of itself once started (versions, ...), and where this
+        worker's process runs (``node``, ``pid``)."""
+        import ray
+
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), **self._describe()}
 
     def generate(self, request: GenerateRequest) -> BatchedDataDict[Any]:
         """Generate for one shard; output in the contract's layout."""

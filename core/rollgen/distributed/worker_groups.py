@@ -147,7 +147,8 @@ class RayWorkerGroup:
             raise WorkerError(name, f"failed to start: {what}", str(task or exc)) from exc
 
     def shutdown(self, cleanup: Callable[..., Any] | None = None, timeout_s: float = 60.0) -> None:
-        """Run ``cleanup`` on live leaders (best effort), then kill every actor."""
+        """Run ``cleanup`` on live leaders (best effort), then kill every actor and wait until Ray
+        reports it dead (its process gone)."""
         if cleanup is not None:
             refs = [getattr(w, cleanup.__name__).remote() for w in self.workers]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
@@ -158,4 +159,7 @@ class RayWorkerGroup:
                     logger.warning("worker cleanup failed: %s", exc)
         for w in self.workers:
             ray.kill(w, no_restart=True)
+        # a call to a killed actor resolves (as an error) once Ray has seen its process exit
+        deaths = [w.__ray_ready__.remote() for w in self.workers]
+        ray.wait(deaths, num_returns=len(deaths), timeout=timeout_s)
         self.workers = []
