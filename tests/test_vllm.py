@@ -155,7 +155,8 @@ def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(v
     """A DP=2 generation with the CPU defaults: once ``shutdown()`` returns, its actors are dead,
     their processes gone, its placement group removed and /dev/shm as it was."""
     import glob
-    import os
+
+    from rollgen.distributed.worker import running
 
     cfg = {**vllm_config, "vllm_cfg": {"data_parallel_size": 2, "cpus_per_bundle": 0.1}}
     shm_before = set(glob.glob("/dev/shm/*"))
@@ -163,8 +164,8 @@ def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(v
     pids = [info["pid"] for info in gen.engine_info]
     actors, pg_names = list(gen.group.workers), {pg.id.hex() for pg in gen.cluster.get_placement_groups()}
     gen.shutdown()
-    running = [p for p in pids if os.path.exists(f"/proc/{p}")]
-    assert not running, f"engine worker processes {running} outlive shutdown"
+    alive = [p for p in pids if running(p)]  # a zombie not yet reaped by Ray's raylet is gone
+    assert not alive, f"engine worker processes {alive} outlive shutdown"
     for actor in actors:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.__ray_ready__.remote(), timeout=60)
@@ -174,3 +175,21 @@ def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(v
     }
     left = set(glob.glob("/dev/shm/*")) - shm_before
     assert not left, f"shared-memory files left behind: {sorted(left)}"
+
+
+def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> None:
+    """SIGKILL of the engine-core process of ``dp1`` (multi-process engine core; its Ray actor
+    stays up): the worker sees its engine's process end and exits, so the next generate fails
+    with a WorkerError naming it. (The module's last use of ``dp1``: the engine is gone after.)"""
+    import os
+    import signal
+
+    from rollgen.distributed.worker import descendants
+
+    dp1.generate(batch, greedy=True)
+    engine_processes = descendants(dp1.engine_info[0]["pid"])
+    core = [pid for pid, cmd in engine_processes.items() if cmd.startswith("VLLM::EngineCore")]
+    assert len(core) == 1, engine_processes
+    os.kill(core[0], signal.SIGKILL)
+    with pytest.raises(WorkerError, match="rollgen-vllm-dp0: died"):
+        dp1.generate(batch, greedy=True)

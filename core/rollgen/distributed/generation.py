@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import pickle
 import time
 from collections.abc import Mapping
@@ -21,7 +20,7 @@ import ray
 from rollgen.base import BaseGeneration
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec
+from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec, running
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
 from rollgen.errors import ConfigError
 from rollgen.refit import WeightBucket, dtype_name
@@ -109,21 +108,11 @@ def wait_for_exit(pids: list[int], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if _running(p)]
+        alive = [p for p in alive if running(p)]
         if alive:
             time.sleep(0.05)
     if alive:
         logger.warning("engine worker processes %s still run %.0f s after shutdown", alive, timeout_s)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process now has the pid
-        return False
-    return True
 
 
 class RayGeneration(BaseGeneration):

@@ -8,10 +8,13 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
@@ -84,12 +87,43 @@ class GenerateRequest:
 class EngineWorker(ABC):
     """A Ray actor owning one engine (the leader of a tied group). The driver calls the public
     methods; an engine implements the ``_``-prefixed hooks. Sleep and wake are no-ops unless
-    the spec enables sleep mode; ``shutdown`` runs the engine's stop once."""
+    the spec enables sleep mode; ``shutdown`` runs the engine's stop once.
+
+    The engine's own processes (those of this actor's descendants whose command line starts
+    with one of ``engine_processes``) are watched from a thread: if one ends while the engine
+    runs, the worker logs which and exits, so the driver's next or pending call fails at once
+    with a ``WorkerError`` naming this worker instead of waiting on a dead engine."""
+
+    #: Command-line prefixes of the engine's processes (process titles such as
+    #: ``VLLM::EngineCore``).
+    engine_processes: ClassVar[tuple[str, ...]] = ()
+    #: Seconds between two looks at the engine's processes.
+    watch_interval_s: ClassVar[float] = 1.0
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self._stopped = False
         self._start()
+        watched = {
+            pid: cmd for pid, cmd in descendants(os.getpid()).items() if cmd.startswith(self.engine_processes)
+        }
+        if watched:
+            threading.Thread(target=self._watch, args=(watched,), daemon=True, name="rollgen-watch").start()
+
+    def _watch(self, watched: dict[int, str]) -> None:
+        while not self._stopped:
+            gone = [(pid, cmd) for pid, cmd in watched.items() if not running(pid)]
+            if gone and not self._stopped:
+                pid, cmd = gone[0]
+                logger.error(
+                    "engine %d: its process %r (pid %d) ended; this worker exits so that calls fail "
+                    "instead of waiting on a dead engine",
+                    self.spec.index,
+                    cmd.split()[0],
+                    pid,
+                )
+                os._exit(1)
+            time.sleep(self.watch_interval_s)
 
     # ---- the protocol (what the driver calls) ---------------------------------------------------
     def ready(self) -> dict[str, Any]:
@@ -163,3 +197,33 @@ class EngineWorker(ABC):
     @abstractmethod
     def _stop(self) -> None:
         """Stop the engine and its processes."""
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """The processes below ``pid`` and their command lines (Linux ``/proc``; empty elsewhere)."""
+    found: dict[int, str] = {}
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for tasks in Path(f"/proc/{parent}/task").glob("*/children"):
+            for child in map(int, tasks.read_text().split()):
+                if child not in found:
+                    found[child] = _cmdline(child)
+                    todo.append(child)
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""

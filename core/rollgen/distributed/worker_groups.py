@@ -136,7 +136,9 @@ class RayWorkerGroup:
         except ray.exceptions.RayActorError as exc:
             if not exc.actor_init_failed:
                 raise WorkerError(
-                    name, f"died ({exc.__class__.__name__}); create a new generation object"
+                    name,
+                    f"died ({exc.__class__.__name__}; the worker's log says why, e.g. which engine "
+                    "process ended); create a new generation object",
                 ) from exc
             # the constructor raised: Ray chains the creation task's error
             task = exc.__cause__ if isinstance(exc.__cause__, ray.exceptions.RayTaskError) else None
@@ -155,6 +157,8 @@ class RayWorkerGroup:
             for ref in ready:
                 try:
                     ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    logger.debug("a worker was dead before its cleanup")
                 except ray.exceptions.RayError as exc:
                     logger.warning("worker cleanup failed: %s", exc)
         for w in self.workers:

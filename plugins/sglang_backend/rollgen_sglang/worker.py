@@ -64,6 +64,8 @@ def sampling_params(params: Sequence[SampleParams], seeded: bool) -> list[dict[s
 class SglangWorker(EngineWorker):
     """Owns ``sglang.Engine``; TP > 1 runs SGLang's own TP processes on the group's GPUs."""
 
+    engine_processes = ("sglang::scheduler", "sglang::detokenizer")
+
     def _start(self) -> None:
         spec, scfg = self.spec, self.spec.engine
         tp = spec.tensor_parallel_size

@@ -90,6 +90,8 @@ class VllmWorker(EngineWorker):
     """Owns ``vllm.LLM``. TP > 1 on GPU: vLLM's Ray executor over the group's bundles; on CPU
     (no Ray executor there): vLLM's ``mp`` executor inside this actor."""
 
+    engine_processes = ("VLLM::EngineCore", "VLLM::Worker")
+
     def _start(self) -> None:
         import ray
 
