@@ -85,7 +85,9 @@ def soak(gen: Any, batch: dict[str, torch.Tensor], weights: Any, cycles: int) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backend", default="hf")
     parser.add_argument("--cycles", type=int, default=100)
     parser.add_argument("--out", default="out/benchmarks")
