@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 
-if TYPE_CHECKING:
-    from rollgen.registry import Backend
+from rollgen.backend import Backend
 
 PROJECT = "rollgen"
 hookspec = pluggy.HookspecMarker(PROJECT)
