@@ -4,51 +4,51 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+if TYPE_CHECKING:
+    from rollgen.registry import PluginRecord, RegisteredBackend
+
 app = typer.Typer(help="rollgen: rollout generation for RL post-training.", no_args_is_help=True)
 console = Console()
 
 
+def _row(
+    name: str, entry: RegisteredBackend | None, plugin: PluginRecord, status: str, reason: str | None
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "plugin": plugin.name,
+        "distribution": plugin.distribution,
+        "version": plugin.version,
+        "capabilities": sorted(c.value for c in entry.backend.capabilities) if entry else [],
+        "importable": status == "ok",
+        "status": status,
+        "reason": reason,
+        "description": entry.backend.description if entry else "",
+    }
+
+
 def _backend_rows() -> list[dict[str, Any]]:
+    """One row per backend, per conflicting registration of a name, per plugin not loaded."""
     from rollgen.registry import get_registry
 
     reg = get_registry()
     rows = []
     for name, entry in sorted(reg.backends.items()):
-        rows.append(
-            {
-                "name": name,
-                "plugin": entry.plugin.name,
-                "distribution": entry.plugin.distribution,
-                "version": entry.plugin.version,
-                "capabilities": sorted(c.value for c in entry.backend.capabilities),
-                "importable": entry.available,
-                "status": "ok" if entry.available else "unavailable",
-                "reason": entry.unavailable_reason(),
-                "description": entry.backend.description,
-            }
-        )
+        reason = entry.unavailable_reason()
+        rows.append(_row(name, entry, entry.plugin, "unavailable" if reason else "ok", reason))
+    for name, entries in sorted(reg.conflicts.items()):
+        rows.extend(_row(name, e, e.plugin, "conflict", str(reg.conflict_error(name))) for e in entries)
     for plugin in reg.plugins.values():
         if plugin.status != "ok":
-            rows.append(
-                {
-                    "name": plugin.name,
-                    "plugin": plugin.name,
-                    "distribution": plugin.distribution,
-                    "version": plugin.version,
-                    "capabilities": [],
-                    "importable": False,
-                    "status": plugin.status,
-                    "reason": str(plugin.error) if plugin.error else "disabled by environment",
-                    "description": "",
-                }
-            )
+            reason = str(plugin.error) if plugin.error else "disabled by environment"
+            rows.append(_row(plugin.name, None, plugin, plugin.status, reason))
     return rows
 
 
@@ -92,8 +92,8 @@ def _config(backend: str, model: str | None, max_new_tokens: int, extra: str | N
     }
     from rollgen.registry import get_registry
 
-    for hook_cfg in get_registry().call_hook("rollgen_conformance_config", backend=backend, base=cfg):
-        cfg = deep_merge(cfg, hook_cfg)
+    hook_cfg = get_registry().backend_hook(backend, "rollgen_conformance_config", base=cfg)
+    cfg = deep_merge(cfg, hook_cfg) if hook_cfg else cfg
     return deep_merge(cfg, json.loads(extra)) if extra else cfg
 
 

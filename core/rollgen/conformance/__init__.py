@@ -109,9 +109,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     name = config.getoption("--rollgen-backend")
     if not name:
         return
-    known: dict[str, str] = {}
-    for result in get_registry().call_hook("rollgen_conformance_known_failures", backend=name):
-        known.update(result)
+    if name not in get_registry().backends:
+        return
+    known = get_registry().backend_hook(name, "rollgen_conformance_known_failures") or {}
     for item in items:
         test = getattr(item, "originalname", item.name)
         reason = known.get(item.name) or known.get(test)

@@ -84,10 +84,8 @@ class BackendConformance:
             "dtype": "float32",
             "seed": 1234,
         }
-        for extra in get_registry().call_hook(
-            "rollgen_conformance_config", backend=backend.backend.name, base=cfg
-        ):
-            cfg = deep_merge(cfg, extra)
+        extra = get_registry().backend_hook(backend.backend.name, "rollgen_conformance_config", base=cfg)
+        cfg = deep_merge(cfg, extra) if extra else cfg
         cli = request.config.getoption("--rollgen-config", default=None)
         return deep_merge(cfg, json.loads(cli)) if cli else cfg
 
