@@ -76,24 +76,11 @@ def backends(as_json: bool = typer.Option(False, "--json", help="machine-readabl
 
 
 def _config(backend: str, model: str | None, max_new_tokens: int, extra: str | None) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
+    """The tiny model's config (or ``model``'s), with the ``--config`` JSON merged in."""
     from rollgen.config import deep_merge
-    from rollgen.testing.tiny_model import tiny_model_dir
+    from rollgen.testing.config import tiny_config
 
-    model_dir = model or tiny_model_dir()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    cfg: dict[str, Any] = {
-        "backend": backend,
-        "model_name": model_dir,
-        "max_new_tokens": max_new_tokens,
-        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-        "seed": 0,
-    }
-    from rollgen.registry import get_registry
-
-    hook_cfg = get_registry().backend_hook(backend, "rollgen_conformance_config", base=cfg)
-    cfg = deep_merge(cfg, hook_cfg) if hook_cfg else cfg
+    cfg = tiny_config(backend, model, max_new_tokens=max_new_tokens)
     return deep_merge(cfg, json.loads(extra)) if extra else cfg
 
 

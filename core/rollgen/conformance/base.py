@@ -31,6 +31,7 @@ from rollgen.errors import (
 )
 from rollgen.registry import RegisteredBackend, get_registry
 from rollgen.spec import Capability
+from rollgen.testing.config import tiny_config
 from rollgen.testing.prompts import PROMPTS, encode, generated_texts
 from rollgen.testing.reference import agreement, generated_mask, load_reference_model, teacher_forced_logprobs
 from rollgen.testing.tiny_model import tiny_model_dir, with_generation_config
@@ -74,17 +75,12 @@ class BackendConformance:
 
     @pytest.fixture(scope="class")
     def base_config(
-        self, request: pytest.FixtureRequest, backend: RegisteredBackend, model_dir: str, tokenizer: Any
+        self, request: pytest.FixtureRequest, backend: RegisteredBackend, model_dir: str
     ) -> dict[str, Any]:
-        cfg: dict[str, Any] = {
-            "backend": backend.backend.name,
-            "model_name": model_dir,
-            "max_new_tokens": self.max_new_tokens,
-            "pad_token_id": tokenizer.pad_token_id,
-            "dtype": "float32",
-            "seed": 1234,
-        }
-        extra = get_registry().backend_hook(backend.backend.name, "rollgen_conformance_config", base=cfg)
+        """The tiny model's config, then the backend's conformance hook, then --rollgen-config."""
+        name = backend.backend.name
+        cfg = tiny_config(name, model_dir, max_new_tokens=self.max_new_tokens, dtype="float32", seed=1234)
+        extra = get_registry().backend_hook(name, "rollgen_conformance_config", base=cfg)
         cfg = deep_merge(cfg, extra) if extra else cfg
         cli = request.config.getoption("--rollgen-config", default=None)
         return deep_merge(cfg, json.loads(cli)) if cli else cfg
