@@ -1,4 +1,9 @@
-"""The ``rollgen`` command: backends, generate, demo, conformance."""
+"""The ``rollgen`` command: backends, generate, demo, conformance.
+
+A rollgen error (``RollgenError``: an unknown backend, a bad config, ...) ends a command with its
+message alone on stderr and exit status 1; ``rollgen --debug ...`` or ``ROLLGEN_DEBUG=1`` shows
+its traceback too.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,43 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
+
+from rollgen.errors import ConfigError, RollgenError
 
 if TYPE_CHECKING:
     from rollgen.registry import PluginRecord, RegisteredBackend
 
-app = typer.Typer(help="rollgen: rollout generation for RL post-training.", no_args_is_help=True)
+logger = logging.getLogger(__name__)
+
+
+class _Commands(TyperGroup):
+    """The commands, answering rollgen errors in one line unless ``--debug``."""
+
+    # typer.Context: the public name of the (vendored, private) click context typer passes here
+    def invoke(self, ctx: typer.Context) -> Any:  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except RollgenError as exc:
+            if ctx.params.get("debug"):
+                raise
+            logger.error("%s", exc)
+            raise typer.Exit(1) from None
+
+
+app = typer.Typer(
+    cls=_Commands, help="rollgen: rollout generation for RL post-training.", no_args_is_help=True
+)
 console = Console()
+
+
+@app.callback()
+def _options(
+    debug: bool = typer.Option(
+        False, "--debug", envvar="ROLLGEN_DEBUG", help="show the traceback of rollgen's errors"
+    ),
+) -> None:
+    """rollgen: rollout generation for RL post-training."""
 
 
 def _row(
@@ -76,12 +112,20 @@ def backends(as_json: bool = typer.Option(False, "--json", help="machine-readabl
 
 
 def _config(backend: str, model: str | None, max_new_tokens: int, extra: str | None) -> dict[str, Any]:
-    """The tiny model's config (or ``model``'s), with the ``--config`` JSON merged in."""
+    """The tiny model's config (or ``model``'s), with the ``--config`` JSON merged in. An unknown
+    backend or a ``--config`` that is not a JSON object raise before the tiny model is built."""
     from rollgen.config import deep_merge
+    from rollgen.registry import get_registry
     from rollgen.testing.config import tiny_config
 
-    cfg = tiny_config(backend, model, max_new_tokens=max_new_tokens)
-    return deep_merge(cfg, json.loads(extra)) if extra else cfg
+    get_registry().get(backend)
+    try:
+        overrides = json.loads(extra) if extra else {}
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--config is not valid JSON: {exc}") from exc
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"--config must be a JSON object, got {extra!r}")
+    return deep_merge(tiny_config(backend, model, max_new_tokens=max_new_tokens), overrides)
 
 
 @app.command()
@@ -119,6 +163,9 @@ def conformance(
     backend: str = typer.Argument(..., help="backend name"),
     report: str | None = typer.Option(None, help="write the JSON report here"),
     config: str | None = typer.Option(None, help="JSON merged into the suite's config"),
+    allow_unavailable: bool = typer.Option(
+        False, help="report the tests skipped (not a failed run) when BACKEND cannot run here"
+    ),
 ) -> None:
     """Run the conformance suite against BACKEND (extra args go to pytest)."""
     import pytest
@@ -136,6 +183,8 @@ def conformance(
         args.append(f"--rollgen-report={report}")
     if config:
         args.append(f"--rollgen-config={config}")
+    if allow_unavailable:
+        args.append("--rollgen-allow-unavailable")
     raise typer.Exit(pytest.main(args + list(ctx.args)))
 
 
