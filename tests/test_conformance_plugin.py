@@ -1,37 +1,91 @@
-"""The conformance plugin itself: known failures are strict xfails; the JSON report."""
+"""The conformance plugin itself: known failures are strict xfails; the JSON report; the
+capability gate; the run fails at once for a backend that cannot run, unless allowed."""
 
 import json
 
 import pytest
 
-from rollgen import hookimpl
-from rollgen.registry import PluginRecord, get_registry
+import rollgen.registry
+from rollgen import Backend, Capability, GenerationConfig, hookimpl
+from rollgen.registry import PluginRecord, Registry
+from rollgen.testing.tiny_model import cache_root, tiny_model_dir
 
 pytest_plugins = ["pytester"]
 
+EXAMPLE_ENGINE = "rollgen_example.engine:ExampleGeneration"
+SUITE = ("-p", "rollgen.conformance", "--pyargs", "rollgen.conformance.suite")
 
-class KnownFailures:
-    """A plugin that (wrongly) lists a passing test as a known failure of ``example``."""
+
+class SuiteBackends:
+    """Backends for these runs: the example engine under other names ('claims' (wrongly) lists a
+    passing test as a known failure; 'bare' declares logprobs only), one whose engine is not
+    installed, and 'twin', which ``Twin`` registers too."""
+
+    @hookimpl
+    def rollgen_register_backends(self, register):
+        logprobs = frozenset({Capability.LOGPROBS})
+        register(Backend("claims", EXAMPLE_ENGINE, GenerationConfig, logprobs | {Capability.REFIT_TENSORS}))
+        register(Backend("bare", EXAMPLE_ENGINE, GenerationConfig, logprobs))
+        register(
+            Backend(
+                "missing-engine",
+                "no_such_engine_pkg.x:Y",
+                GenerationConfig,
+                logprobs,
+                requires=("no_such_engine_pkg",),
+                install_hint="pip install no-such-engine",
+            )
+        )
+        register(Backend("twin", EXAMPLE_ENGINE, GenerationConfig, logprobs))
 
     @hookimpl
     def rollgen_conformance_known_failures(self, backend: str):
-        return {"test_empty_batch": "claimed broken"} if backend == "example" else None
+        return {"test_empty_batch": f"claimed broken on {backend}"} if backend == "claims" else None
+
+
+class Twin:
+    @hookimpl
+    def rollgen_register_backends(self, register):
+        register(Backend("twin", EXAMPLE_ENGINE, GenerationConfig, frozenset({Capability.LOGPROBS})))
+
+
+class Broken:
+    @hookimpl
+    def rollgen_register_backends(self, register):
+        raise RuntimeError("this plugin is broken at registration")
+
+
+@pytest.fixture(scope="session")
+def prepared() -> str:
+    """What the runs below must find ready, done before pytester snapshots the process: the tiny
+    models' cache (pytester points HOME elsewhere, where they would be built again: minutes), and
+    the example engine's imports (an in-process run unloads the modules it imported, which breaks
+    transformers' lazy imports in the next run). Returns the cache folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import rollgen_example.engine  # noqa: F401
+
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir())
+    AutoTokenizer.from_pretrained(tiny_model_dir())
+    return str(cache_root())
 
 
 @pytest.fixture
-def known_failures():
-    plugin = KnownFailures()
-    registry = get_registry()
-    registry.add_plugin(plugin, PluginRecord("known-failures", None, None))
-    yield
-    registry.pm.unregister(plugin)
-    del registry.plugins["known-failures"]
+def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, prepared: str) -> pytest.Pytester:
+    """pytester, with the installed plugins and those above as the process-wide registry."""
+    monkeypatch.setenv("ROLLGEN_CACHE_DIR", prepared)
+    registry = Registry()
+    registry.add_plugin(SuiteBackends(), PluginRecord("suite-backends", "rollgen-suite-backends", "0.1"))
+    registry.add_plugin(Twin(), PluginRecord("twin-plugin", "rollgen-twin", "0.2"))
+    registry.add_plugin(Broken(), PluginRecord("broken", "rollgen-broken", "0.3"))
+    monkeypatch.setattr(rollgen.registry, "_registry", registry)
+    return pytester
 
 
-def test_known_failure_that_passes_fails_the_run(pytester: pytest.Pytester, known_failures, tmp_path) -> None:
+def test_known_failure_that_passes_fails_the_run(suite: pytest.Pytester, tmp_path) -> None:
     report = tmp_path / "report.json"
     # the report is rewritten after every test: a run stopped from outside leaves what ran
-    pytester.makeconftest(
+    suite.makeconftest(
         f"""
 import json, pathlib
 def pytest_runtest_setup(item):
@@ -40,21 +94,76 @@ def pytest_runtest_setup(item):
         assert [t["test"].split("::")[-1] for t in seen["tests"]] == ["test_registration"]
 """
     )
-    result = pytester.runpytest_inprocess(
-        "-p",
-        "rollgen.conformance",
-        "--pyargs",
-        "rollgen.conformance.suite",
-        "--rollgen-backend=example",
+    result = suite.runpytest_inprocess(
+        *SUITE,
+        "--rollgen-backend=claims",
         f"--rollgen-report={report}",
         "-k",
         "test_empty_batch or test_registration",
     )
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*XPASS(strict)*claimed broken*"])
+    result.stdout.fnmatch_lines(["*XPASS(strict)*claimed broken on claims*"])
     data = json.loads(report.read_text())
-    assert data["header"]["backend"] == "example" and data["header"]["distribution"] == "rollgen-example"
+    assert data["header"]["backend"] == "claims"
+    assert data["header"]["distribution"] == "rollgen-suite-backends"
     assert data["header"]["spec_version"] == 1 and "logprobs" in data["header"]["capabilities"]
     assert {t["outcome"] for t in data["tests"]} == {"passed", "failed"}
     failed = next(t for t in data["tests"] if t["outcome"] == "failed")
     assert "claimed broken" in failed["error"], "a failure's text is in the report"
+
+
+def test_undeclared_capabilities_are_asserted_then_skipped(suite: pytest.Pytester) -> None:
+    """'bare' declares no refit and no text path: each gate checks the UnsupportedCapability."""
+    result = suite.runpytest_inprocess(*SUITE, "--rollgen-backend=bare", "-rs", "-k", "refit or text_path")
+    result.assert_outcomes(skipped=3)
+    result.stdout.fnmatch_lines(
+        [
+            "*text not declared (UnsupportedCapability asserted)*",
+            "*refit (refit_tensors or refit_ipc) not declared (UnsupportedCapability asserted)*",
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("backend", "why"),
+    [
+        ("no-such", "no rollgen backend named 'no-such'"),
+        ("missing-engine", "missing no_such_engine_pkg); install it with: pip install no-such-engine"),
+        (
+            "twin",
+            "plugin 'suite-backends' (rollgen-suite-backends 0.1) and plugin 'twin-plugin' "
+            "(rollgen-twin 0.2)",
+        ),
+        ("broken", "plugin 'broken' (rollgen-broken 0.3) is broken: this plugin is broken at registration"),
+    ],
+)
+def test_a_backend_that_cannot_run_fails_the_run_in_one_line(
+    suite: pytest.Pytester, tmp_path, backend: str, why: str
+) -> None:
+    report = tmp_path / "report.json"
+    result = suite.runpytest_inprocess(*SUITE, f"--rollgen-backend={backend}", f"--rollgen-report={report}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, f"exit {result.ret}, expected a usage error"
+    errors = [line for line in result.stderr.lines if line.strip()]
+    assert len(errors) == 1, f"expected one line on stderr, got {errors}"
+    assert errors[0].startswith("ERROR: rollgen conformance: ") and why in errors[0], errors[0]
+    assert "--rollgen-allow-unavailable" in errors[0], errors[0]
+    data = json.loads(report.read_text())
+    assert data["tests"] == [], f"no test should run: {data['tests']}"
+    assert data["error"] == errors[0].removeprefix("ERROR: "), "the report says why"
+
+
+def test_allow_unavailable_reports_the_tests_skipped(suite: pytest.Pytester) -> None:
+    result = suite.runpytest_inprocess(
+        *SUITE, "--rollgen-backend=missing-engine", "--rollgen-allow-unavailable", "-rs"
+    )
+    assert result.ret == pytest.ExitCode.OK, f"exit {result.ret}"
+    result.assert_outcomes(skipped=21)
+    result.stdout.fnmatch_lines(
+        ["*unavailable here: *missing no_such_engine_pkg*pip install no-such-engine*"]
+    )
+
+
+def test_rollgen_config_must_be_a_json_object(suite: pytest.Pytester) -> None:
+    result = suite.runpytest_inprocess(*SUITE, "--rollgen-backend=bare", "--rollgen-config={not json")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, f"exit {result.ret}"
+    result.stderr.fnmatch_lines(["ERROR: --rollgen-config is not valid JSON: *"])

@@ -4,10 +4,15 @@ import json
 import subprocess
 import sys
 from importlib.metadata import EntryPoint
+from types import ModuleType, SimpleNamespace
 
 import pytest
+from typer.testing import CliRunner
 
-from rollgen import BackendNotFound, BackendUnavailable
+import rollgen
+import rollgen.registry
+from rollgen import BackendNotFound, BackendUnavailable, PluginError
+from rollgen.cli import app
 from rollgen.registry import Registry
 
 
@@ -15,7 +20,19 @@ def eps(*names: str) -> list[EntryPoint]:
     return [EntryPoint(name=n, value=f"fake_plugins.{n}", group="rollgen") for n in names]
 
 
-ALL = ("good", "raises_on_import", "duplicate", "bad_capability", "bad_hook")
+class DistEntryPoint:
+    """A fake plugin's entry point as an installed distribution (name, version) provides it."""
+
+    def __init__(self, name: str, distribution: str, version: str) -> None:
+        self.name = name
+        self.dist = SimpleNamespace(name=distribution, version=version)
+        self._ep = EntryPoint(name=name, value=f"fake_plugins.{name}", group="rollgen")
+
+    def load(self) -> ModuleType:
+        return self._ep.load()
+
+
+ALL = ("good", "raises_on_import", "bad_capability", "bad_hook")
 
 
 @pytest.fixture(autouse=True)
@@ -30,16 +47,68 @@ def test_broken_plugins_are_isolated_and_reported() -> None:
     assert status == {
         "good": "ok",
         "raises_on_import": "broken",
-        "duplicate": "broken",
         "bad_capability": "broken",
         "bad_hook": "broken",
     }
-    assert "already registered by plugin 'good'" in str(reg.plugins["duplicate"].error)
     assert "teleport" in str(reg.plugins["bad_capability"].error)
     assert "rollgen_no_such_hook" in str(reg.plugins["bad_hook"].error)
     with pytest.raises(BackendUnavailable, match="broken at import") as info:
         reg.get("raises_on_import")
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+@pytest.fixture
+def conflicting(monkeypatch: pytest.MonkeyPatch) -> Registry:
+    """The process-wide registry replaced by one where plugins of two distributions both
+    register a backend named 'good'."""
+    reg = Registry(
+        [DistEntryPoint("good", "fake-good", "1.0"), DistEntryPoint("duplicate", "fake-dup", "2.0")],
+        env={},
+    )
+    monkeypatch.setattr(rollgen.registry, "_registry", reg)
+    return reg
+
+
+def test_a_name_two_plugins_register_is_used_from_neither(conflicting: Registry, hf_config: dict) -> None:
+    reg = conflicting
+    assert reg.plugins["good"].status == reg.plugins["duplicate"].status == "ok", "neither plugin is broken"
+    assert set(reg.backends) == {"good-missing-engine"}, "the plugins' other backends stay usable"
+    with pytest.raises(PluginError) as info:
+        reg.get("good")
+    message = str(info.value)
+    for part in (
+        "plugin 'good' (fake-good 1.0)",
+        "plugin 'duplicate' (fake-dup 2.0)",
+        "ROLLGEN_DISABLE_PLUGINS",
+    ):
+        assert part in message, f"{part!r} missing from the conflict error: {message}"
+    with pytest.raises(PluginError, match="fake-dup"):
+        rollgen.create_generation({**hf_config, "backend": "good"})
+
+
+def test_cli_backends_shows_the_conflict(conflicting: Registry) -> None:
+    result = CliRunner().invoke(app, ["backends", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = [r for r in json.loads(result.output) if r["name"] == "good"]
+    assert [(r["plugin"], r["distribution"], r["status"]) for r in rows] == [
+        ("good", "fake-good", "conflict"),
+        ("duplicate", "fake-dup", "conflict"),
+    ]
+    assert all("fake-good" in r["reason"] and "fake-dup" in r["reason"] for r in rows), rows
+
+
+def test_conformance_hooks_answer_for_their_own_backends_only() -> None:
+    reg = Registry(eps("good", "hooks"), env={})
+    config = reg.backend_hook("hooks-b", "rollgen_conformance_config", base={"seed": 0})
+    assert config == {"asked_for": "hooks-b", "base_keys": ["seed"]}, "the plugin is told which backend"
+    assert reg.backend_hook("hooks-a", "rollgen_conformance_known_failures") == {
+        "test_empty_batch": "claimed broken on hooks-a"
+    }
+    # 'hooks' answers any request: asked about 'good' (whose plugin has no such hooks) it is not called
+    assert reg.backend_hook("good", "rollgen_conformance_config", base={}) is None
+    assert reg.backend_hook("good", "rollgen_conformance_known_failures") is None
+    with pytest.raises(BackendNotFound, match="no-such"):
+        reg.backend_hook("no-such", "rollgen_conformance_known_failures")
 
 
 def test_missing_engine_is_unavailable_with_hint() -> None:

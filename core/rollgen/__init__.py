@@ -1,6 +1,7 @@
 """rollgen: rollout generation for RL post-training, one contract over many engines."""
 
 from rollgen.api import create_generation
+from rollgen.backend import Backend
 from rollgen.base import BaseGeneration
 from rollgen.data import BatchedDataDict
 from rollgen.errors import (
@@ -21,7 +22,7 @@ from rollgen.errors import (
 from rollgen.hookspecs import hookimpl
 from rollgen.interface import GenerationInterface
 from rollgen.refit import WeightBucket, iter_buckets, pack_bucket
-from rollgen.registry import Backend, get_registry
+from rollgen.registry import get_registry
 from rollgen.spec import (
     SPEC_VERSION,
     Capability,

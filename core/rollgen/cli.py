@@ -1,54 +1,90 @@
-"""The ``rollgen`` command: backends, generate, demo, conformance."""
+"""The ``rollgen`` command: backends, generate, demo, conformance.
+
+A rollgen error (``RollgenError``: an unknown backend, a bad config, ...) ends a command with its
+message alone on stderr and exit status 1; ``rollgen --debug ...`` or ``ROLLGEN_DEBUG=1`` shows
+its traceback too.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
-app = typer.Typer(help="rollgen: rollout generation for RL post-training.", no_args_is_help=True)
+from rollgen.errors import ConfigError, RollgenError
+
+if TYPE_CHECKING:
+    from rollgen.registry import PluginRecord, RegisteredBackend
+
+logger = logging.getLogger(__name__)
+
+
+class _Commands(TyperGroup):
+    """The commands, answering rollgen errors in one line unless ``--debug``."""
+
+    # typer.Context: the public name of the (vendored, private) click context typer passes here
+    def invoke(self, ctx: typer.Context) -> Any:  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except RollgenError as exc:
+            if ctx.params.get("debug"):
+                raise
+            logger.error("%s", exc)
+            raise typer.Exit(1) from None
+
+
+app = typer.Typer(
+    cls=_Commands, help="rollgen: rollout generation for RL post-training.", no_args_is_help=True
+)
 console = Console()
 
 
+@app.callback()
+def _options(
+    debug: bool = typer.Option(
+        False, "--debug", envvar="ROLLGEN_DEBUG", help="show the traceback of rollgen's errors"
+    ),
+) -> None:
+    """rollgen: rollout generation for RL post-training."""
+
+
+def _row(
+    name: str, entry: RegisteredBackend | None, plugin: PluginRecord, status: str, reason: str | None
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "plugin": plugin.name,
+        "distribution": plugin.distribution,
+        "version": plugin.version,
+        "capabilities": sorted(c.value for c in entry.backend.capabilities) if entry else [],
+        "importable": status == "ok",
+        "status": status,
+        "reason": reason,
+        "description": entry.backend.description if entry else "",
+    }
+
+
 def _backend_rows() -> list[dict[str, Any]]:
+    """One row per backend, per conflicting registration of a name, per plugin not loaded."""
     from rollgen.registry import get_registry
 
     reg = get_registry()
     rows = []
     for name, entry in sorted(reg.backends.items()):
-        rows.append(
-            {
-                "name": name,
-                "plugin": entry.plugin.name,
-                "distribution": entry.plugin.distribution,
-                "version": entry.plugin.version,
-                "capabilities": sorted(c.value for c in entry.backend.capabilities),
-                "importable": entry.available,
-                "status": "ok" if entry.available else "unavailable",
-                "reason": entry.unavailable_reason(),
-                "description": entry.backend.description,
-            }
-        )
+        reason = entry.unavailable_reason()
+        rows.append(_row(name, entry, entry.plugin, "unavailable" if reason else "ok", reason))
+    for name, entries in sorted(reg.conflicts.items()):
+        rows.extend(_row(name, e, e.plugin, "conflict", str(reg.conflict_error(name))) for e in entries)
     for plugin in reg.plugins.values():
         if plugin.status != "ok":
-            rows.append(
-                {
-                    "name": plugin.name,
-                    "plugin": plugin.name,
-                    "distribution": plugin.distribution,
-                    "version": plugin.version,
-                    "capabilities": [],
-                    "importable": False,
-                    "status": plugin.status,
-                    "reason": str(plugin.error) if plugin.error else "disabled by environment",
-                    "description": "",
-                }
-            )
+            reason = str(plugin.error) if plugin.error else "disabled by environment"
+            rows.append(_row(plugin.name, None, plugin, plugin.status, reason))
     return rows
 
 
@@ -76,25 +112,20 @@ def backends(as_json: bool = typer.Option(False, "--json", help="machine-readabl
 
 
 def _config(backend: str, model: str | None, max_new_tokens: int, extra: str | None) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
+    """The tiny model's config (or ``model``'s), with the ``--config`` JSON merged in. An unknown
+    backend or a ``--config`` that is not a JSON object raise before the tiny model is built."""
     from rollgen.config import deep_merge
-    from rollgen.testing.tiny_model import tiny_model_dir
-
-    model_dir = model or tiny_model_dir()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    cfg: dict[str, Any] = {
-        "backend": backend,
-        "model_name": model_dir,
-        "max_new_tokens": max_new_tokens,
-        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-        "seed": 0,
-    }
     from rollgen.registry import get_registry
+    from rollgen.testing.config import tiny_config
 
-    for hook_cfg in get_registry().call_hook("rollgen_conformance_config", backend=backend, base=cfg):
-        cfg = deep_merge(cfg, hook_cfg)
-    return deep_merge(cfg, json.loads(extra)) if extra else cfg
+    get_registry().get(backend)
+    try:
+        overrides = json.loads(extra) if extra else {}
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--config is not valid JSON: {exc}") from exc
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"--config must be a JSON object, got {extra!r}")
+    return deep_merge(tiny_config(backend, model, max_new_tokens=max_new_tokens), overrides)
 
 
 @app.command()
@@ -132,6 +163,9 @@ def conformance(
     backend: str = typer.Argument(..., help="backend name"),
     report: str | None = typer.Option(None, help="write the JSON report here"),
     config: str | None = typer.Option(None, help="JSON merged into the suite's config"),
+    allow_unavailable: bool = typer.Option(
+        False, help="report the tests skipped (not a failed run) when BACKEND cannot run here"
+    ),
 ) -> None:
     """Run the conformance suite against BACKEND (extra args go to pytest)."""
     import pytest
@@ -149,6 +183,8 @@ def conformance(
         args.append(f"--rollgen-report={report}")
     if config:
         args.append(f"--rollgen-config={config}")
+    if allow_unavailable:
+        args.append("--rollgen-allow-unavailable")
     raise typer.Exit(pytest.main(args + list(ctx.args)))
 
 

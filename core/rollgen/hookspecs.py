@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pluggy
 
-if TYPE_CHECKING:
-    from rollgen.registry import Backend
+from rollgen.backend import Backend
 
 PROJECT = "rollgen"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -25,14 +24,21 @@ def rollgen_register_backends(register: Callable[[Backend], None]) -> None:
 
 @hookspec
 def rollgen_conformance_config(backend: str, base: Mapping[str, Any]) -> Mapping[str, Any] | None:
-    """Return config keys the conformance suite should merge into ``base`` when it creates
-    ``backend`` (engine sub-dicts such as ``vllm_cfg``), or None to leave it unchanged."""
+    """Return config keys the conformance suite merges into ``base`` (the tiny-model config it
+    builds for ``backend``), such as engine sub-dicts (``vllm_cfg``) sized for its test engines,
+    or None to leave ``base`` unchanged.
+
+    Called only on the plugin that registered ``backend`` (``backend`` tells apart the backends
+    of a plugin that registers several). The suite alone uses it: ``rollgen generate`` and
+    ``rollgen demo`` do not, so defaults that users need belong in the backend itself.
+    """
 
 
 @hookspec
 def rollgen_conformance_known_failures(backend: str) -> Mapping[str, str] | None:
     """Return ``{test name: reason}`` for conformance tests known to fail on ``backend``.
 
-    They run as strict xfails: a known failure that starts passing fails the run, so the list
-    stays true.
+    Called only on the plugin that registered ``backend``. A name is a test's name with or
+    without its parameters (``test_reference_agreement[float32]``). They run as strict xfails: a
+    known failure that starts passing fails the run, so the list stays true.
     """

@@ -12,7 +12,6 @@ import importlib
 import importlib.util
 import logging
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
@@ -22,44 +21,14 @@ from typing import Any
 import pluggy
 
 from rollgen import hookspecs
+from rollgen.backend import Backend
 from rollgen.errors import BackendNotFound, BackendUnavailable, PluginError
-from rollgen.spec import Capability
 
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "rollgen"
 ALLOW_ENV = "ROLLGEN_PLUGINS"
 BLOCK_ENV = "ROLLGEN_DISABLE_PLUGINS"
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
-_FACTORY = re.compile(r"^[\w.]+:[\w.]+$")
-
-
-@dataclass(frozen=True)
-class Backend:
-    """One backend, as a plugin registers it. Everything here is light: no engine import."""
-
-    name: str
-    factory: str
-    config_type: type
-    capabilities: frozenset[Capability]
-    requires: tuple[str, ...] = ()
-    install_hint: str = ""
-    description: str = ""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise PluginError(f"backend name {self.name!r} must match {_NAME.pattern}")
-        if not isinstance(self.factory, str) or not _FACTORY.match(self.factory):
-            raise PluginError(f"backend {self.name!r}: factory must be 'module:attribute'")
-        if not (isinstance(self.config_type, type) and hasattr(self.config_type, "__required_keys__")):
-            raise PluginError(f"backend {self.name!r}: config_type must be a TypedDict class")
-        known = {c.value for c in Capability}
-        unknown = sorted(str(c) for c in self.capabilities if str(c) not in known)
-        if unknown:
-            raise PluginError(
-                f"backend {self.name!r}: unknown capabilities {unknown}; known: {sorted(known)}"
-            )
-        object.__setattr__(self, "capabilities", frozenset(Capability(str(c)) for c in self.capabilities))
 
 
 @dataclass
@@ -72,6 +41,11 @@ class PluginRecord:
     status: str = "ok"  # ok | broken | disabled
     error: BaseException | None = None
     backends: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """``plugin 'name' (distribution version)``, for error messages."""
+        origin = " ".join(x for x in (self.distribution, self.version) if x) or "no distribution"
+        return f"plugin {self.name!r} ({origin})"
 
 
 @dataclass(frozen=True)
@@ -131,6 +105,8 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginRecord] = {}
         self.backends: dict[str, RegisteredBackend] = {}
+        #: Backend names registered by more than one plugin: usable from none of them.
+        self.conflicts: dict[str, list[RegisteredBackend]] = {}
         env = os.environ if env is None else env
         allow, block = _env_list(env, ALLOW_ENV), _env_list(env, BLOCK_ENV)
         for ep in entry_points(group=ENTRY_POINT_GROUP) if eps is None else eps:
@@ -165,42 +141,57 @@ class Registry:
             i for i in self.pm.hook.rollgen_register_backends.get_hookimpls() if i.plugin_name == record.name
         ]
         pending: list[Backend] = []
-        for impl in impls:
-            try:
+        try:
+            for impl in impls:
                 impl.function(register=pending.append)
-                seen: set[str] = set()
-                for backend in pending:
-                    if not isinstance(backend, Backend):
-                        raise PluginError(f"register() takes a rollgen.Backend, got {backend!r}")
-                    if backend.name in self.backends:
-                        owner = self.backends[backend.name].plugin.name
-                        raise PluginError(
-                            f"backend {backend.name!r} is already registered by plugin {owner!r}"
-                        )
-                    if backend.name in seen:
-                        raise PluginError(f"backend {backend.name!r} is registered twice")
-                    seen.add(backend.name)
-            except Exception as exc:  # noqa: BLE001 - isolate a faulty plugin, keep the others
-                self.pm.unregister(plugin)
-                self._broken(record, exc)
-                return
+            seen: set[str] = set()
+            for backend in pending:
+                if not isinstance(backend, Backend):
+                    raise PluginError(f"register() takes a rollgen.Backend, got {backend!r}")
+                if backend.name in seen:
+                    raise PluginError(f"backend {backend.name!r} is registered twice")
+                seen.add(backend.name)
+        except Exception as exc:  # noqa: BLE001 - isolate a faulty plugin, keep the others
+            self.pm.unregister(plugin)
+            self._broken(record, exc)
+            return
         for backend in pending:
-            self.backends[backend.name] = RegisteredBackend(backend, record)
+            self._add_backend(RegisteredBackend(backend, record))
             record.backends.append(backend.name)
+
+    def _add_backend(self, entry: RegisteredBackend) -> None:
+        """Keep ``entry``, unless another plugin registered its name: then neither is used."""
+        name = entry.backend.name
+        if name in self.backends:
+            self.conflicts[name] = [self.backends.pop(name)]
+        if name in self.conflicts:
+            self.conflicts[name].append(entry)
+            logger.warning("%s", self.conflict_error(name))
+        else:
+            self.backends[name] = entry
+
+    def conflict_error(self, name: str) -> PluginError:
+        """The error for backend ``name``, registered by several plugins (each one named)."""
+        owners = " and ".join(e.plugin.describe() for e in self.conflicts[name])
+        return PluginError(
+            f"backend {name!r} is registered by {owners}, so rollgen uses neither: uninstall one "
+            f"of these distributions, or disable one plugin with {BLOCK_ENV}=<plugin name>"
+        )
 
     def _broken(self, record: PluginRecord, exc: BaseException) -> None:
         record.status, record.error = "broken", exc
         logger.warning("rollgen plugin %r failed to load: %s", record.name, exc)
 
     def get(self, name: str) -> RegisteredBackend:
-        """The backend called ``name``: BackendNotFound / BackendUnavailable otherwise."""
+        """The backend called ``name``. BackendNotFound when none is; PluginError when two
+        plugins registered it; BackendUnavailable when the plugin of that name is broken."""
         if name in self.backends:
             return self.backends[name]
+        if name in self.conflicts:
+            raise self.conflict_error(name)
         if name in self.plugins and self.plugins[name].status == "broken":
             record = self.plugins[name]
-            raise BackendUnavailable(
-                f"plugin {name!r} ({record.distribution or 'unknown distribution'}) is broken: {record.error}"
-            ) from record.error
+            raise BackendUnavailable(f"{record.describe()} is broken: {record.error}") from record.error
         installed = ", ".join(sorted(self.backends)) or "none"
         close = difflib.get_close_matches(name, list(self.backends), n=1)
         guess = f" Did you mean {close[0]!r}?" if close else ""
@@ -214,9 +205,13 @@ class Registry:
             "third-party backend is a distribution with an entry point in group 'rollgen'"
         )
 
-    def call_hook(self, hook: str, **kwargs: Any) -> list[Any]:
-        """Call a hook on every loaded plugin; results without Nones."""
-        return [r for r in getattr(self.pm.hook, hook)(**kwargs) if r is not None]
+    def backend_hook(self, name: str, hook: str, **kwargs: Any) -> Any:
+        """Call ``hook`` (with ``backend=name``) on the plugin that registered backend ``name``
+        and on no other; its answer, or None where that plugin does not implement the hook."""
+        owner = self.get(name).plugin.name
+        others = [p for n, p in self.pm.list_name_plugin() if n != owner]
+        answers = self.pm.subset_hook_caller(hook, remove_plugins=others)(backend=name, **kwargs)
+        return answers[0] if answers else None
 
 
 _registry: Registry | None = None

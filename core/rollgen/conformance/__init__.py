@@ -4,9 +4,10 @@
 
 Options: ``--rollgen-backend`` (required), ``--rollgen-config`` (JSON merged into the suite's
 config, e.g. engine parallelism), ``--rollgen-report`` (write a JSON report),
-``--rollgen-one-engine`` (one engine alive at a time, for layouts that take every device). Backends add engine
-keys through the ``rollgen_conformance_config`` hook and list known failures (strict xfails)
-through ``rollgen_conformance_known_failures``.
+``--rollgen-one-engine`` (one engine alive at a time, for layouts that take every device),
+``--rollgen-allow-unavailable`` (a backend that cannot run here has its tests skipped instead of
+failing the run). The backend's plugin adds engine keys through its ``rollgen_conformance_config``
+hook and lists known failures (strict xfails) through ``rollgen_conformance_known_failures``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import pytest
 
 import rollgen
 from rollgen.conformance.base import BackendConformance
+from rollgen.conformance.fixtures import usable_backend
+from rollgen.errors import RollgenError
 from rollgen.registry import get_registry
 
 __all__ = ["BackendConformance"]
@@ -40,6 +43,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="keep one engine alive at a time (a test's own engine replaces the shared one): for "
         "layouts that take all the devices, such as TP=2 or DP=2 on two GPUs",
+    )
+    group.addoption(
+        "--rollgen-allow-unavailable",
+        action="store_true",
+        help="a backend that is not installed, whose engine does not import or whose plugin is "
+        "broken has its tests skipped with the reason (exit 0); without it the run fails at once",
     )
 
 
@@ -102,16 +111,45 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(_JsonReport(config), "rollgen-json-report")
+    report = config.stash[_REPORT] = _JsonReport(config)
+    config.pluginmanager.register(report, "rollgen-json-report")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The gate: a backend named on the command line that cannot run here ends the run with one
+    line (a usage error, exit 4) before any test, unless ``--rollgen-allow-unavailable``; so
+    does a ``--rollgen-config`` that is not a JSON object."""
+    config = session.config
+    extra = config.getoption("--rollgen-config")
+    if extra:
+        try:
+            parsed = json.loads(extra)
+        except json.JSONDecodeError as exc:
+            raise pytest.UsageError(f"--rollgen-config is not valid JSON: {exc}") from exc
+        if not isinstance(parsed, dict):
+            raise pytest.UsageError(f"--rollgen-config must be a JSON object, got {extra!r}")
+    name = config.getoption("--rollgen-backend")
+    if not name or config.getoption("--rollgen-allow-unavailable"):
+        return
+    try:
+        usable_backend(name)
+    except RollgenError as exc:
+        reason = (
+            f"rollgen conformance: {exc} (pass --rollgen-allow-unavailable to report the tests "
+            "skipped instead)"
+        )
+        config.stash[_REPORT].fail(reason)
+        raise pytest.UsageError(reason) from exc
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     name = config.getoption("--rollgen-backend")
     if not name:
         return
-    known: dict[str, str] = {}
-    for result in get_registry().call_hook("rollgen_conformance_known_failures", backend=name):
-        known.update(result)
+    if name not in get_registry().backends:
+        return
+    known = get_registry().backend_hook(name, "rollgen_conformance_known_failures") or {}
     for item in items:
         test = getattr(item, "originalname", item.name)
         reason = known.get(item.name) or known.get(test)
@@ -128,6 +166,12 @@ class _JsonReport:
         self.results: list[dict[str, Any]] = []
         self._header: dict[str, Any] | None = None
         self._setup_s: dict[str, float] = {}
+        self._error: str | None = None
+
+    def fail(self, reason: str) -> None:
+        """The run ends before any test: the report says why."""
+        self._error = reason
+        self._write()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "setup":  # engines are made in setup: their time is reported with the test
@@ -162,6 +206,11 @@ class _JsonReport:
             counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
         if self._header is None:  # versions and device, looked up once per run
             self._header = _backend_header(self.config)
-        report = {"header": self._header, "summary": counts, "tests": self.results}
+        report: dict[str, Any] = {"header": self._header, "summary": counts, "tests": self.results}
+        if self._error:
+            report["error"] = self._error
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(report, indent=2, default=str))
+
+
+_REPORT = pytest.StashKey[_JsonReport]()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
+from rollgen.errors import UnsupportedCapability
 from rollgen.spec import Capability
 from rollgen.testing.reference import agreement, generated_mask, next_token_logprobs, scored_logprobs
 
@@ -25,6 +26,32 @@ BOUNDS = {
 REPEAT_MAX_ABS = {"cpu": 1e-5, "cuda": 1e-4}
 #: In bf16 a generated token may differ from the reference argmax only on a near-tie.
 BF16_TIE_GAP = 0.05
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def raises(error: type[E], what: str, call: Callable[[], object]) -> E:
+    """The ``error`` that ``call()`` raises; fails the test, naming ``what``, where it does not."""
+    try:
+        call()
+    except error as exc:
+        return exc
+    pytest.fail(f"{what}: expected {error.__name__}, but the call returned")
+
+
+def skip_unless_declared(declared: bool, what: str, call: Callable[[], object]) -> None:
+    """The capability gate of a test: where ``what`` is not declared, assert that ``call()``
+    raises UnsupportedCapability, then skip; where it is declared, return."""
+    if declared:
+        return
+    raises(UnsupportedCapability, f"{what} is not declared", call)
+    pytest.skip(f"{what} not declared (UnsupportedCapability asserted)")
+
+
+def rows_where(bad: torch.Tensor) -> list[int]:
+    """Indices of the rows of a [B, ...] boolean tensor with any True."""
+    return bad.reshape(bad.shape[0], -1).any(1).nonzero().flatten().tolist()
 
 
 def fp32_bound() -> dict[str, float]:
@@ -51,13 +78,22 @@ def check_against_reference(
     mismatch = mask & (best != ids)
     stats["argmax_mismatches"] = int(mismatch.sum())
     if dtype == "float32":
-        assert stats["argmax_mismatches"] == 0, "greedy tokens differ from the reference argmax"
+        assert stats["argmax_mismatches"] == 0, (
+            f"{stats['argmax_mismatches']} greedy tokens differ from the reference argmax, at "
+            f"(row, position) {mismatch.nonzero().tolist()}"
+        )
     else:
         gap = (top - ref)[mismatch]
-        assert (gap < BF16_TIE_GAP).all(), f"non-tie greedy mismatch (gaps {gap.tolist()})"
+        assert (gap < BF16_TIE_GAP).all(), (
+            f"greedy tokens differ from the reference argmax by more than a near-tie: logprob gaps "
+            f"{gap.tolist()} (a tie is below {BF16_TIE_GAP})"
+        )
     bound = fp32_bound() if dtype == "float32" else BOUNDS[dtype]
-    assert stats["max_abs"] <= bound["max_abs"], stats
-    assert stats["token_mult_prob_error"] <= bound["token_mult_prob_error"], stats
+    for key in ("max_abs", "token_mult_prob_error"):
+        assert stats[key] <= bound[key], (
+            f"{dtype} logprobs against the reference: {key} {stats[key]:.4g} above the bound "
+            f"{bound[key]} (all measures: {stats})"
+        )
     return stats
 
 
@@ -68,6 +104,15 @@ def device_memory_used() -> int:
     return total - free
 
 
+def assert_same_tokens(label: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal token tensors; else the test fails, naming ``label``, the shapes and the rows."""
+    rows = [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+    assert got.shape == want.shape and not rows, (
+        f"{label}: shapes {tuple(got.shape)} and {tuple(want.shape)}, rows that differ {rows}:\n"
+        f"{got.tolist()}\nvs\n{want.tolist()}"
+    )
+
+
 def assert_same_generation(
     request: pytest.FixtureRequest,
     label: str,
@@ -76,14 +121,7 @@ def assert_same_generation(
 ) -> None:
     """Same tokens, and logprobs within ``REPEAT_MAX_ABS``; records the largest difference."""
     atol = REPEAT_MAX_ABS["cuda" if torch.cuda.is_available() else "cpu"]
-    rows = [
-        i
-        for i, (a, b) in enumerate(zip(got["output_ids"], want["output_ids"]))
-        if a.shape != b.shape or not torch.equal(a, b)
-    ]
-    assert not rows and got["output_ids"].shape == want["output_ids"].shape, (
-        f"{label}: greedy tokens differ in rows {rows}:\n{got['output_ids']}\nvs\n{want['output_ids']}"
-    )
+    assert_same_tokens(f"{label}: greedy tokens", got["output_ids"], want["output_ids"])
     diff = (got["logprobs"] - want["logprobs"]).abs()
     worst = float(diff.max()) if diff.numel() else 0.0
     request.node.user_properties.append((f"{label}_max_abs_logprob_diff", worst))

@@ -1,5 +1,7 @@
-"""Testing helpers shipped with the core: a deterministic tiny model and an HF reference."""
+"""Testing helpers shipped with the core: a deterministic tiny model, its config and an HF
+reference."""
 
+from rollgen.testing.config import tiny_config
 from rollgen.testing.reference import (
     agreement,
     load_reference_model,
@@ -12,6 +14,7 @@ __all__ = [
     "agreement",
     "load_reference_model",
     "teacher_forced_logprobs",
+    "tiny_config",
     "tiny_model_dir",
     "with_generation_config",
 ]

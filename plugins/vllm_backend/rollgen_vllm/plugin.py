@@ -40,11 +40,9 @@ def rollgen_register_backends(register: Callable[[Backend], None]) -> None:
 
 
 @hookimpl
-def rollgen_conformance_config(backend: str, base: Mapping[str, Any]) -> Mapping[str, Any] | None:
+def rollgen_conformance_config(backend: str, base: Mapping[str, Any]) -> Mapping[str, Any]:
     """Small engines for the tiny model (on GPU several share a device: a fifth of its memory and
     a quarter-GPU bundle each); on CPU a bounded KV cache and in-process engine core."""
-    if backend != "vllm":
-        return None
     import torch
 
     if torch.cuda.is_available():
