@@ -11,27 +11,22 @@ from typing import Any
 import torch
 
 from benchmarks.common import timed, timed_call
-from rollgen.refit import default_bucket_bytes, iter_buckets
+from rollgen.refit import WeightSpec, default_bucket_bytes, iter_buckets
 
 #: The columns of the printed table.
 COLUMNS = ["bucket_mib", "default", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"]
-#: Names a model with ``tie_word_embeddings`` holds as one tensor (its state dict lists both).
-TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
 
-def random_state(
-    spec: dict[str, tuple[tuple[int, ...], str]], device: torch.device, tied: bool
-) -> dict[str, torch.Tensor]:
+def random_state(spec: WeightSpec, device: torch.device) -> dict[str, torch.Tensor]:
     """A state dict with the served model's names, shapes and dtypes, random values on
-    ``device``; with ``tied``, ``lm_head.weight`` is the embedding tensor, as in a trainer's
-    tied model (rollgen sends it once)."""
+    ``device``; a name the model ties to another (``spec.tied``) is that tensor, as in a
+    trainer's tied model (rollgen sends it once)."""
     state = {
         name: torch.empty(shape, dtype=getattr(torch, dtype), device=device).normal_(0, 0.02)
         for name, (shape, dtype) in spec.items()
-        if not (tied and name in TIED)
+        if name not in spec.tied
     }
-    if tied:
-        state.update({name: state[source] for name, source in TIED.items() if name in spec})
+    state.update({alias: state[name] for alias, name in spec.tied.items()})
     return state
 
 

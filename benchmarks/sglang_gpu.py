@@ -157,7 +157,7 @@ def main() -> None:
 
     device = torch.device("cuda", 0)
     if "refit" in args.parts:
-        state = refit.random_state(gen.weight_spec, device, tied=QWEN25_1P5B["tie_word_embeddings"])
+        state = refit.random_state(gen.weight_spec, device)
         results["refit"] = refit.measure(gen, state, args.bucket_mib, args.repeats)
         del state
         torch.cuda.empty_cache()

@@ -223,7 +223,7 @@ def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     gen: Any = rollgen.create_generation(config)
     llm = raw_llm(model, False, args.util)
     device = engine_device(gen)
-    state = refit.random_state(gen.weight_spec, device, tied=QWEN25_1P5B["tie_word_embeddings"])
+    state = refit.random_state(gen.weight_spec, device)
     refits = refit.measure(gen, state, args.bucket_mib, args.repeats)
     profiles = [refit.profile(gen, state, mib) for mib in args.bucket_mib]
     after = [refit.after_generate(gen, state, workload_batch(1), args.repeats)]

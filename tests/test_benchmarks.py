@@ -60,15 +60,19 @@ def test_scaling_relative_to_first() -> None:
     assert [r["vs_dp1"] for r in rows] == [1.0, 1.9]
 
 
-def test_random_state_ties_lm_head_to_the_embeddings() -> None:
-    spec = {
+def test_random_state_ties_what_the_model_ties() -> None:
+    from rollgen.refit import WeightSpec
+
+    shapes = {
         "model.embed_tokens.weight": ((8, 4), "float32"),
         "lm_head.weight": ((8, 4), "float32"),
         "model.norm.weight": ((4,), "float32"),
     }
-    state = refit.random_state(spec, torch.device("cpu"), tied=True)
+    state = refit.random_state(
+        WeightSpec(shapes, tied={"lm_head.weight": "model.embed_tokens.weight"}), torch.device("cpu")
+    )
     assert state["lm_head.weight"] is state["model.embed_tokens.weight"]
-    untied = refit.random_state(spec, torch.device("cpu"), tied=False)
+    untied = refit.random_state(WeightSpec(shapes), torch.device("cpu"))
     assert untied["lm_head.weight"] is not untied["model.embed_tokens.weight"]
 
 
@@ -160,7 +164,7 @@ def test_refit_measure_times_given_and_default_buckets(hf_config: dict) -> None:
     from rollgen.refit import DEFAULT_BUCKET_BYTES
 
     with rollgen.create_generation(hf_config) as gen:
-        state = refit.random_state(gen.weight_spec, torch.device("cpu"), tied=True)
+        state = refit.random_state(gen.weight_spec, torch.device("cpu"))
         rows = refit.measure(gen, state, [1, 0], repeats=1)
     assert [(r["bucket_mib"], r["default"]) for r in rows] == [(1, False), (DEFAULT_BUCKET_BYTES >> 20, True)]
     assert all(r["refit_ms"] > 0 and r["gb"] > 0 for r in rows)
@@ -266,3 +270,20 @@ def test_rollgens_worker_in_a_plain_actor_generates_what_rollgen_does(bench_vllm
         assert run() == int(bench_vllm.generate(batch, greedy=True)["generation_lengths"].sum())
     finally:
         close()
+
+
+def test_soak_cycles_report_memory_and_output_drift(hf_config: dict, model_dir: str) -> None:
+    """The soak benchmark's loop on the in-process HF engine, a few cycles: refitting the served
+    weights changes no output, and the driver's RSS is read at the checkpoints."""
+    from transformers import AutoTokenizer
+
+    import rollgen
+    from benchmarks import soak
+    from rollgen.testing.prompts import PROMPTS, encode
+    from rollgen.testing.reference import load_reference_model
+
+    batch = encode(AutoTokenizer.from_pretrained(model_dir), PROMPTS)
+    with rollgen.create_generation(hf_config) as gen:
+        row = soak.soak(gen, batch, load_reference_model(model_dir), cycles=3)
+    assert row["cycles"] == 3 and row["cycles_differing"] == 0, row
+    assert row["rss_from_cycle"] == 1 and row["driver_rss_mb_3"] > 0 and "driver_rss_growth_pct" in row

@@ -22,7 +22,7 @@ BOUNDS = {
 }
 #: Repeated greedy calls (and a refit back to the same weights) give the same tokens, and fp32
 #: logprobs within this. CUDA kernels are not bitwise reproducible from call to call: measured up
-#: to 1.7e-5 at TP=2 and 6e-7 at TP=1 (vLLM 0.26, fp32, H200s; docs/gpu-results.md, session 4).
+#: to 1.7e-5 at TP=2 and 6e-7 at TP=1 (vLLM 0.26, fp32, H200s; docs/gpu-results.md, 2026-11-30, 60a5faf).
 REPEAT_MAX_ABS = {"cpu": 1e-5, "cuda": 1e-4}
 #: In bf16 a generated token may differ from the reference argmax only on a near-tie.
 BF16_TIE_GAP = 0.05
