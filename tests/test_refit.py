@@ -121,6 +121,7 @@ def test_an_update_covers_the_model_or_whole_module_groups_of_it() -> None:
     ]
     assert spec.missing(attn, partial=True) == []
     assert spec.missing(attn[:1], partial=True) == attn[1:], "half a fused group is refused"
+    assert spec.missing(iter(attn[:1]), partial=True) == attn[1:], "names may come as an iterator"
     check_against_spec([TensorMeta(n, (2,), "float32") for n in attn], spec, partial=True)
 
 

@@ -88,6 +88,7 @@ class WeightSpec(dict[str, tuple[tuple[int, ...], str]]):
         """The names a refit sending ``names`` leaves out (a tied tensor is sent under one of
         its names). ``partial``: only those of the module groups it sends (engines fuse the
         tensors of a group, so a partial update sends whole groups)."""
+        names = list(names)
         sent = {self.tied.get(n, n) for n in names}
         groups = {module_group(n) for n in names}
         return [

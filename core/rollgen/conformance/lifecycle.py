@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
+import rollgen
+from rollgen.config import deep_merge
 from rollgen.conformance.checks import assert_same_tokens, raises
-from rollgen.errors import EngineClosed, InputError
+from rollgen.errors import ConfigError, EngineClosed, InputError
 
 
 class BadInputTests:
@@ -50,6 +54,28 @@ class BadInputTests:
             ),
             "bad stop_strings": ({**batch, "stop_strings": [None, "x", None, None, None]}, [1]),
         }
+        two = {"input_ids": ids[:2], "input_lengths": lengths[:2]}
+        per_sample: dict[str, tuple[dict[str, Any], list[int] | None]] = {
+            "NaN temperature": ({**two, "temperature": torch.tensor([1.0, float("nan")])}, [1]),
+            "NaN top_p": ({**two, "top_p": torch.tensor([float("nan"), 0.5])}, [0]),
+            "fractional max_new_tokens": ({**two, "max_new_tokens": torch.tensor([2.7, 3.0])}, None),
+            "fractional seed": ({**two, "seed": torch.tensor([1.5, 2.0])}, None),
+            "top_k 0": ({**two, "top_k": torch.tensor([0, 5])}, [0]),
+            "strings as temperatures": ({**two, "temperature": ["hot", "cold"]}, None),
+            "misspelt key": ({**two, "temprature": torch.tensor([1.0, 1.0])}, None),
+        }
+        for key, (low, high) in getattr(engine, "sampling_limits", {}).items():
+            if high is not None:
+                per_sample[f"{key} above the engine's {high}"] = (
+                    {**two, key: torch.tensor([high, high + 1])},
+                    [1],
+                )
+            if low is not None:
+                per_sample[f"{key} below the engine's {low}"] = (
+                    {**two, key: torch.tensor([low, low - 1])},
+                    [1],
+                )
+        cases.update(per_sample)
         for label, (data, samples) in cases.items():
             error = raises(InputError, f"input {label}", partial(engine.generate, data, greedy=True))
             if samples is not None:
@@ -72,3 +98,28 @@ class LifecycleTests:
             engine.generate(batch, greedy=True)
         engine.shutdown()
         raises(EngineClosed, "generate after shutdown", lambda: engine.generate(batch, greedy=True))
+
+    def test_broken_model_folders_are_config_errors(
+        self, base_config: dict[str, Any], model_dir: str, tmp_path_factory: pytest.TempPathFactory
+    ) -> None:
+        """A model folder whose config.json is not JSON, or whose weights are missing or not
+        safetensors: a ConfigError naming the file, before any engine starts."""
+        cases = {
+            "config.json": ("config.json", "{ not json"),
+            "missing weights": ("model.safetensors", None),
+            "garbage weights": ("model.safetensors", "garbage, not a safetensors header"),
+        }
+        for label, (name, content) in cases.items():
+            folder = tmp_path_factory.mktemp("broken-model")
+            for f in Path(model_dir).iterdir():
+                if f.name != name:
+                    (folder / f.name).symlink_to(f.resolve())
+            if content is not None:
+                (folder / name).write_text(content)
+            config = deep_merge(base_config, {"model_name": str(folder)})
+            error = raises(
+                ConfigError, f"a model folder with {label}", partial(rollgen.create_generation, config)
+            )
+            assert name in str(error) or "no weights" in str(error), (
+                f"a model folder with {label}: the ConfigError does not name {name}: {error}"
+            )
