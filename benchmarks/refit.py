@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from benchmarks.common import timed, timed_call
-from rollgen.refit import WeightSpec, default_bucket_bytes, iter_buckets
+from rollgen.refit import WeightSpec, default_bucket_bytes, iter_buckets, nonfinite
 
 #: The columns of the printed table.
-COLUMNS = ["bucket_mib", "default", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"]
+COLUMNS = ["bucket_mib", "default", "checked", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"]
 
 
 def random_state(spec: WeightSpec, device: torch.device) -> dict[str, torch.Tensor]:
@@ -64,13 +64,17 @@ def bucket_fields(mib: int, state: dict[str, torch.Tensor]) -> dict[str, Any]:
 def measure(
     gen: Any, state: dict[str, torch.Tensor], bucket_mib: list[int], repeats: int
 ) -> list[dict[str, Any]]:
+    """A row per bucket size: the median refit of ``repeats`` after two warm-ups, against the
+    device-to-device copy of the same bytes; the default bucket once more without the NaN and
+    infinity check (``check_finite=False``), to state what the check costs."""
     unique = {t.data_ptr(): t for t in state.values()}.values()
     nbytes = sum(t.numel() * t.element_size() for t in unique)
     floor = copy_floor(nbytes, next(iter(state.values())).device, repeats=5)
     torch.cuda.empty_cache()
     rows = []
-    for mib in bucket_mib:
-        fn = partial(gen.refit, state, bucket_bytes=bucket_bytes(mib))
+    runs = [(mib, True) for mib in bucket_mib] + [(0, False)]
+    for mib, checked in runs:
+        fn = partial(gen.refit, state, bucket_bytes=bucket_bytes(mib), check_finite=checked)
         # the first two refits of a bucket layout are warm-ups, timed on their own: an engine that
         # replays load plans records the layout's plan in the first and verifies it in the second
         first, second = timed(fn), timed(fn)
@@ -79,6 +83,7 @@ def measure(
         rows.append(
             {
                 **bucket_fields(mib, state),
+                "checked": checked,
                 "tensors": len(unique),
                 "gb": nbytes / 1e9,
                 "refit_ms": med * 1e3,
@@ -92,6 +97,16 @@ def measure(
             }
         )
     return rows
+
+
+def finite_check(state: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
+    """The NaN and infinity check of a whole state dict alone (``rollgen.refit.nonfinite``: one
+    fused max-abs pass and one host sync per device), median of ``repeats``."""
+    named = list(state.items())
+    nonfinite(named)  # warm-up
+    times = [timed(partial(nonfinite, named)) for _ in range(repeats)]
+    nbytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in state.values()}.values())
+    return {"gb": nbytes / 1e9, "check_ms": statistics.median(times) * 1e3, "check_ms_max": max(times) * 1e3}
 
 
 def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[str, Any]:

@@ -227,11 +227,13 @@ def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     refits = refit.measure(gen, state, args.bucket_mib, args.repeats)
     profiles = [refit.profile(gen, state, mib) for mib in args.bucket_mib]
     after = [refit.after_generate(gen, state, workload_batch(1), args.repeats)]
+    finite = [refit.finite_check(state, args.repeats)]
     del state
     torch.cuda.empty_cache()
     print_table(refits, refit.COLUMNS)
     print_table(profiles, list(profiles[0]))
     print_table(after, list(after[0]))
+    print_table(finite, list(finite[0]))
     sleeps = [
         sleep_wake.measure_rollgen(gen, device.index, args.repeats),
         sleep_wake.measure("raw", partial(llm.sleep, level=1), [llm.wake_up], device.index, args.repeats),
@@ -239,7 +241,13 @@ def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     print_table(sleeps, sleep_wake.COLUMNS)
     gen.shutdown()
     close_raw(llm)
-    return {"by_bucket": refits, "profile": profiles, "after_generate": after, "sleep_wake": sleeps}
+    return {
+        "by_bucket": refits,
+        "profile": profiles,
+        "after_generate": after,
+        "finite_check": finite,
+        "sleep_wake": sleeps,
+    }
 
 
 def sweep(args: argparse.Namespace, model: str) -> dict[str, list]:

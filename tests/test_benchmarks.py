@@ -166,7 +166,11 @@ def test_refit_measure_times_given_and_default_buckets(hf_config: dict) -> None:
     with rollgen.create_generation(hf_config) as gen:
         state = refit.random_state(gen.weight_spec, torch.device("cpu"))
         rows = refit.measure(gen, state, [1, 0], repeats=1)
-    assert [(r["bucket_mib"], r["default"]) for r in rows] == [(1, False), (DEFAULT_BUCKET_BYTES >> 20, True)]
+        finite = refit.finite_check(state, repeats=2)
+    default = DEFAULT_BUCKET_BYTES >> 20
+    layout = [(r["bucket_mib"], r["default"], r["checked"]) for r in rows]
+    assert layout == [(1, False, True), (default, True, True), (default, True, False)]
+    assert finite["check_ms"] > 0 and finite["gb"] > 0
     assert all(r["refit_ms"] > 0 and r["gb"] > 0 for r in rows)
 
 
