@@ -59,8 +59,9 @@ def test_left_padding_and_overlong_prompt_then_engine_works(hf_config: dict, pad
 
 def test_processed_logprobs_follow_temperature(hf_config: dict, pad_id: int) -> None:
     """logprobs_mode='processed': logprobs of the tempered distribution (raw is the default)."""
+    from rollgen.output import generated_mask
     from rollgen.testing import load_reference_model, teacher_forced_logprobs
-    from rollgen.testing.reference import agreement, generated_mask
+    from rollgen.testing.reference import agreement
 
     ids = torch.tensor([[5, 6, 7]])
     lengths = torch.tensor([3])

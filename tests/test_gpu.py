@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import rollgen
+from rollgen.output import generated_mask
 from rollgen.refit import GPU_BUCKET_BYTES, default_bucket_bytes
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
 from rollgen.testing.prompts import PROMPTS, encode
-from rollgen.testing.reference import agreement, generated_mask
+from rollgen.testing.reference import agreement
 from rollgen.testing.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")

@@ -63,3 +63,24 @@ def test_a_backends_output_is_checked_against_the_contract() -> None:
     for out, message in cases.values():
         with pytest.raises(OutputError, match=message):
             check_output(out, ids, lengths)
+
+
+def test_stop_reasons_are_read_off_each_samples_end() -> None:
+    from rollgen.output import assemble_from_lists, stop_reasons
+    from rollgen.sampling import SampleParams
+
+    def params(budget: int, stops: tuple[str, ...] = ()) -> SampleParams:
+        return SampleParams(1.0, 1.0, -1, budget, stops, (2, 9), None)
+
+    ids, lengths = torch.tensor([[5, 5, 5]] * 3 + [[5, 5, 0]] + [[5, 5, 5]]), torch.tensor([3, 3, 3, 2, 3])
+    tokens = [[7, 2], [7, 9], [7, 8], [7, 7], [7, 7]]  # EOS 2; stop id 9; a stop string; budget; context
+    out = assemble_from_lists(ids, lengths, tokens, [[-1.0] * len(t) for t in tokens], 0)
+    got = stop_reasons(
+        out,
+        lengths,
+        [params(2), params(2), params(2, ("xy",)), params(2), params(2)],
+        eos_token_ids=[2],
+        max_model_len=5,
+        hit_stop_string=lambda i, toks: toks == [7, 8],
+    )
+    assert got == ["eos", "stop_token", "stop_string", "length", "context"]

@@ -153,8 +153,9 @@ def test_a_bad_bucket_size_is_a_refit_error(size: object) -> None:
 
 def test_refit_matches_independent_hf(hf_config: dict) -> None:
     """Refit the HF engine with perturbed weights; logprobs follow an independent HF model."""
+    from rollgen.output import generated_mask
     from rollgen.testing import load_reference_model, teacher_forced_logprobs
-    from rollgen.testing.reference import agreement, generated_mask
+    from rollgen.testing.reference import agreement
 
     new = load_reference_model(hf_config["model_name"])
     with torch.no_grad():

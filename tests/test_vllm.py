@@ -11,9 +11,10 @@ import torch
 import rollgen
 from rollgen import ConfigError, WorkerError
 from rollgen.distributed import GenerateRequest
+from rollgen.output import generated_mask
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
 from rollgen.testing.prompts import PROMPTS, encode
-from rollgen.testing.reference import agreement, generated_mask
+from rollgen.testing.reference import agreement
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 

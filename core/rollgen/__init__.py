@@ -21,6 +21,7 @@ from rollgen.errors import (
 )
 from rollgen.hookspecs import hookimpl
 from rollgen.interface import GenerationInterface
+from rollgen.output import generated_mask
 from rollgen.refit import WeightBucket, iter_buckets, pack_bucket
 from rollgen.registry import get_registry
 from rollgen.spec import (
@@ -59,6 +60,7 @@ __all__ = [
     "WorkerError",
     "__version__",
     "create_generation",
+    "generated_mask",
     "get_registry",
     "hookimpl",
     "iter_buckets",

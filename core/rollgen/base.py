@@ -24,7 +24,7 @@ from rollgen.errors import (
     UnsupportedCapability,
 )
 from rollgen.model_info import ModelInfo
-from rollgen.output import check_output, empty_output
+from rollgen.output import check_output, empty_output, stop_reasons
 from rollgen.refit import WeightBucket, WeightSpec
 from rollgen.sampling import SampleParams, resolve_sampling, truncate_at_stop
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
@@ -83,6 +83,8 @@ class BaseGeneration(ABC):
         self._stale: str | None = None
         #: Calls from several threads run one at a time (a refit waits for a running generate).
         self._lock = threading.RLock()
+        #: The batch of the generate in progress, and its samples' settings.
+        self._params: tuple[Mapping[str, Any], bool, list[SampleParams]] | None = None
         seed = self.cfg.get("seed")
         self._seed_rng = None if seed is None else torch.Generator().manual_seed(int(seed))
         if self.cfg.get("logprobs_mode") == "processed":
@@ -183,12 +185,28 @@ class BaseGeneration(ABC):
         if "seed" not in batch and self._seed_rng is not None and not greedy:
             batch["seed"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_rng)
         self._prefixes_cached = True  # before the call: a failed generate may have cached some
-        out = self._generate(batch, greedy)
+        params = resolve_sampling(self.cfg, batch, greedy, self.max_model_len, self.model_info.eos_token_ids)
+        self._params = (batch, greedy, params)
+        try:
+            out = self._generate(batch, greedy)
+        finally:
+            self._params = None
         check_output(out, batch["input_ids"], batch["input_lengths"])
+        out["stop_reasons"] = stop_reasons(
+            out,
+            batch["input_lengths"],
+            params,
+            self.model_info.eos_token_ids,
+            self.max_model_len,
+            lambda i, tokens: any(s in self.tokenizer.decode(tokens) for s in params[i].stop_strings),
+        )
         return out
 
     def sample_params(self, batch: Mapping[str, Any], greedy: bool) -> list[SampleParams]:
-        """Per-sample settings for a validated batch (used by backends inside ``_generate``)."""
+        """Per-sample settings for a validated batch (used by backends inside ``_generate``; the
+        core has made them for the batch in hand already)."""
+        if self._params is not None and self._params[0] is batch and self._params[1] == greedy:
+            return self._params[2]
         return resolve_sampling(self.cfg, batch, greedy, self.max_model_len, self.model_info.eos_token_ids)
 
     @abstractmethod

@@ -10,8 +10,9 @@ from rich.table import Table
 from tqdm import tqdm
 
 import rollgen
+from rollgen.output import generated_mask
 from rollgen.testing.prompts import PROMPTS, encode, generated_texts
-from rollgen.testing.reference import agreement, generated_mask, load_reference_model, teacher_forced_logprobs
+from rollgen.testing.reference import agreement, load_reference_model, teacher_forced_logprobs
 from rollgen.testing.tiny_model import tiny_model_dir
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from rollgen.data import BatchedDataDict, right_pad
 from rollgen.errors import OutputError
+from rollgen.sampling import SampleParams
 
 #: Every output key and its dtype.
 OUTPUT_DTYPES = {
@@ -27,6 +28,7 @@ def empty_output(width: int = 0) -> BatchedDataDict[Any]:
             "logprobs": torch.zeros((0, width), dtype=torch.float32),
             "generation_lengths": torch.zeros(0, dtype=torch.long),
             "unpadded_sequence_lengths": torch.zeros(0, dtype=torch.long),
+            "stop_reasons": [],
         }
     )
 
@@ -113,3 +115,48 @@ def check_output(out: Mapping[str, Any], input_ids: torch.Tensor, input_lengths:
             "output 'unpadded_sequence_lengths': expected input_lengths + generation_lengths "
             f"{(input_lengths.cpu() + gen.cpu()).tolist()}, got {out['unpadded_sequence_lengths'].tolist()}"
         )
+
+
+def generated_mask(out: Mapping[str, torch.Tensor], input_lengths: torch.Tensor) -> torch.Tensor:
+    """True at the generated positions of an output (``output_ids``' layout): where a trainer's
+    loss and logprobs apply; False on the prompt and on padding."""
+    positions = torch.arange(out["output_ids"].shape[1]).unsqueeze(0)
+    return (positions >= input_lengths.unsqueeze(1)) & (
+        positions < out["unpadded_sequence_lengths"].unsqueeze(1)
+    )
+
+
+#: Why a sample ended: the model's EOS (``ModelInfo.eos_token_ids``), a config ``stop_token_ids``,
+#: a stop string, its ``max_new_tokens`` budget, or the model's context (``max_model_len``).
+STOP_REASONS = ("eos", "stop_token", "stop_string", "length", "context")
+
+
+def stop_reasons(
+    out: Mapping[str, torch.Tensor],
+    input_lengths: torch.Tensor,
+    params: Sequence[SampleParams],
+    eos_token_ids: Sequence[int],
+    max_model_len: int,
+    hit_stop_string: Callable[[int, list[int]], bool],
+) -> list[str]:
+    """Each sample's stop reason, read off its output: its last token (an EOS id, else a stop
+    id), else a stop string its text holds, else the end of its budget, which the model's
+    context may have shortened (``context``). ``hit_stop_string(i, tokens)`` decodes sample i."""
+    eos = set(eos_token_ids)
+    ends = out["unpadded_sequence_lengths"].tolist()
+    lengths = out["generation_lengths"].tolist()
+    rows = out["output_ids"]
+    reasons = []
+    for i, (p, end, n) in enumerate(zip(params, ends, lengths)):
+        last = int(rows[i, end - 1])
+        if last in eos:
+            reasons.append("eos")
+        elif last in p.stop_token_ids:
+            reasons.append("stop_token")
+        elif p.stop_strings and hit_stop_string(i, rows[i, end - n : end].tolist()):
+            reasons.append("stop_string")
+        elif end >= max_model_len or n < p.max_new_tokens:
+            reasons.append("context")
+        else:
+            reasons.append("length")
+    return reasons

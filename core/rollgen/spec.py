@@ -124,6 +124,9 @@ class GenerationOutputSpec(TypedDict):
     logprobs: torch.Tensor
     generation_lengths: torch.Tensor
     unpadded_sequence_lengths: torch.Tensor
+    #: Why each sample ended: ``"eos"``, ``"stop_token"``, ``"stop_string"``, ``"length"`` or
+    #: ``"context"`` (``rollgen.output.STOP_REASONS``).
+    stop_reasons: list[str]
 
 
 #: Batch keys that override a config setting for each sample (tensors of shape [B]), with the

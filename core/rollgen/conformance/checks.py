@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from rollgen.errors import UnsupportedCapability
+from rollgen.output import generated_mask
 from rollgen.spec import Capability
-from rollgen.testing.reference import agreement, generated_mask, next_token_logprobs, scored_logprobs
+from rollgen.testing.reference import agreement, next_token_logprobs, scored_logprobs
 
 #: Stated agreement bounds with the teacher-forced HF reference (run in fp32 or bf16 on CPU), per
 #: engine dtype. CUDA engines in fp32 use TF32 tensor-core matmuls and other kernels than the CPU

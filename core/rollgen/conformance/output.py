@@ -33,7 +33,13 @@ class OutputContractTests:
     ) -> None:
         out, pad = greedy_out, base_config["pad_token_id"]
         ids, lengths = batch["input_ids"], batch["input_lengths"]
-        missing = {"output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths"} - set(out)
+        missing = {
+            "output_ids",
+            "logprobs",
+            "generation_lengths",
+            "unpadded_sequence_lengths",
+            "stop_reasons",
+        } - set(out)
         assert not missing, f"output keys {sorted(out)} lack {sorted(missing)}"
         dtypes = {k: out[k].dtype for k in ("output_ids", "logprobs", "generation_lengths")}
         dtypes["unpadded_sequence_lengths"] = out["unpadded_sequence_lengths"].dtype
@@ -96,6 +102,10 @@ class OutputContractTests:
             f"samples {ended.nonzero().flatten().tolist()} ended early with last tokens "
             f"{last[ended].tolist()}, expected EOS {tokenizer.eos_token_id}"
         )
+        expected = ["eos" if e else "length" for e in ended.tolist()]
+        assert out.get("stop_reasons") == expected, (
+            f"stop_reasons {out.get('stop_reasons')}, expected {expected} (EOS, else the budget)"
+        )
 
     def test_empty_batch(self, engine: Any) -> None:
         out = engine.generate(
@@ -129,6 +139,11 @@ class OutputContractTests:
         out = engine.generate({"input_ids": ids, "input_lengths": torch.tensor([limit - 2])}, greedy=True)
         n = int(out["unpadded_sequence_lengths"][0])
         assert n <= limit, f"a prompt of {limit - 2} tokens grew to {n}, past the context of {limit}"
+        expected = ["context"] if n == limit else ["eos"]
+        assert out["stop_reasons"] == expected, (
+            f"stop_reasons {out['stop_reasons']} for a sample that ended at {n} of a context of {limit}, "
+            f"expected {expected}"
+        )
 
     def test_text_path(
         self,

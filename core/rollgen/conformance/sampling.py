@@ -16,9 +16,10 @@ from rollgen.conformance.checks import (
     fp32_bound,
     skip_unless_declared,
 )
+from rollgen.output import generated_mask
 from rollgen.spec import Capability
 from rollgen.testing.prompts import generated_texts
-from rollgen.testing.reference import agreement, generated_mask, teacher_forced_logprobs
+from rollgen.testing.reference import agreement, teacher_forced_logprobs
 from rollgen.testing.tiny_model import with_generation_config
 
 
@@ -72,7 +73,7 @@ class SamplingTests:
         batch: dict[str, torch.Tensor],
         greedy_out: dict[str, torch.Tensor],
     ) -> None:
-        texts = generated_texts(tokenizer, greedy_out, batch)
+        texts = generated_texts(tokenizer, greedy_out, batch, skip_special=True)
         stop = texts[0].strip().split(" ")[1] if len(texts[0].split()) > 1 else None
         assert stop, f"the tiny model's greedy output {texts[0]!r} is too short for this test"
         data = dict(batch, stop_strings=[[stop], None, ["never-seen"], None, None])
@@ -91,6 +92,9 @@ class SamplingTests:
         got = int(out["generation_lengths"][0])
         assert got == expected, (
             f"generation length of sample 0: {got}, expected {expected} (stop string {stop!r})"
+        )
+        assert out["stop_reasons"][0] == "stop_string", (
+            f"stop reason of sample 0: {out['stop_reasons'][0]!r}, expected 'stop_string' ({stop!r})"
         )
         others, untouched = out["generation_lengths"][1:], base_len[1:]
         assert torch.equal(others, untouched), (
@@ -154,6 +158,9 @@ class OwnEngineSamplingTests:
         )
         last = int(out["output_ids"][1, end - 1])
         assert last == stop_id, f"sample 1 ends with token {last}, expected the stop token {stop_id} (kept)"
+        assert out["stop_reasons"][1] == "stop_token", (
+            f"stop reason of sample 1: {out['stop_reasons'][1]!r}, expected 'stop_token'"
+        )
 
     def test_generation_config_eos_ends_generation(
         self,
@@ -180,6 +187,9 @@ class OwnEngineSamplingTests:
         )
         last = int(out["output_ids"][1, end - 1])
         assert last == eos_id, f"sample 1 ends with token {last}, expected the EOS {eos_id} (kept)"
+        assert out["stop_reasons"][1] == "eos", (
+            f"stop reason of sample 1: {out['stop_reasons'][1]!r}, expected 'eos'"
+        )
 
     def test_processed_logprobs(
         self,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -70,11 +69,3 @@ def agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict[str,
         "token_mult_prob_error": float(diff.exp().mean()),
         "tokens": int(diff.numel()),
     }
-
-
-def generated_mask(out: Mapping[str, torch.Tensor], input_lengths: torch.Tensor) -> torch.Tensor:
-    """True at the generated positions of a GenerationOutputSpec."""
-    positions = torch.arange(out["output_ids"].shape[1]).unsqueeze(0)
-    return (positions >= input_lengths.unsqueeze(1)) & (
-        positions < out["unpadded_sequence_lengths"].unsqueeze(1)
-    )
