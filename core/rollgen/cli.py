@@ -151,7 +151,8 @@ def demo(
     backend: str = typer.Option("hf", help="backend name"),
     config: str | None = typer.Option(None, help="JSON merged into the config"),
 ) -> None:
-    """The main job on the embedded tiny model: generate → refit new weights → generate."""
+    """The main job on the embedded tiny model: a few RL steps (generate → reward → update →
+    refit → generate) where the reward rises and engine and trainer logprobs agree."""
     from rollgen.demo import run_demo
 
     run_demo(backend, _config(backend, None, 12, config), console)
