@@ -85,6 +85,9 @@ class BaseGeneration(ABC):
         self._lock = threading.RLock()
         #: The batch of the generate in progress, and its samples' settings.
         self._params: tuple[Mapping[str, Any], bool, list[SampleParams]] | None = None
+        #: A generate returned non-finite logprobs: the engine's KV cache may hold NaNs, which
+        #: the next complete refit clears.
+        self._kv_poisoned = False
         seed = self.cfg.get("seed")
         self._seed_rng = None if seed is None else torch.Generator().manual_seed(int(seed))
         if self.cfg.get("logprobs_mode") == "processed":
@@ -192,6 +195,9 @@ class BaseGeneration(ABC):
         finally:
             self._params = None
         check_output(out, batch["input_ids"], batch["input_lengths"])
+        if not torch.isfinite(out["logprobs"]).all():
+            self._kv_poisoned = True
+            logger.warning("%s: NaN or infinite logprobs; are the weights finite?", self.name)
         out["stop_reasons"] = stop_reasons(
             out,
             batch["input_lengths"],
@@ -371,6 +377,9 @@ class BaseGeneration(ABC):
             raise
         if not partial:
             self._stale = None
+        if self._kv_poisoned and not partial:
+            self._clear_kv_cache()
+            self._kv_poisoned = self._prefixes_cached = False
         self._invalidate_prefixes()
 
     @abstractmethod
@@ -383,6 +392,11 @@ class BaseGeneration(ABC):
         if self._prefixes_cached:
             self._reset_prefix_cache()
             self._prefixes_cached = False
+
+    def _clear_kv_cache(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine needs it
+        """Drop cached prefixes and zero the KV cache (after a generate returned NaN logprobs:
+        the cache may hold NaNs from the weights that produced them)."""
+        self._reset_prefix_cache()
 
     def _reset_prefix_cache(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine needs it
         """Invalidate cached prefixes (after a refit that follows a generate; ``_sleep`` resets

@@ -98,8 +98,9 @@ def rl_step(
 
 def run_demo(
     backend: str, cfg: dict[str, Any], console: Console, settings: DemoSettings | None = None
-) -> None:
-    """A few RL steps on the tiny model through ``backend``, shown as a table."""
+) -> list[dict[str, float]]:
+    """A few RL steps on the tiny model through ``backend``, shown as a table; each step's
+    measures."""
     settings = settings or DemoSettings()
     from transformers import AutoTokenizer
 

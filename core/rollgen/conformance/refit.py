@@ -17,9 +17,11 @@ from rollgen.conformance.checks import (
     can_refit,
     check_against_reference,
     raises,
+    rows_where,
     skip_unless_declared,
 )
 from rollgen.errors import RefitError, StaleWeights
+from rollgen.output import generated_mask
 from rollgen.spec import Capability
 
 
@@ -174,3 +176,35 @@ class RefitTests:
         engine.refit(state)
         out = engine.generate(batch, greedy=True)
         assert_same_tokens("after a complete refit", out["output_ids"], greedy_out["output_ids"])
+
+    def test_a_good_refit_restores_an_engine_that_served_nan_weights(
+        self,
+        engine: Any,
+        caps: frozenset[Capability],
+        references: Callable[[str, str], Any],
+        model_dir: str,
+        batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
+    ) -> None:
+        """NaN weights pushed on purpose (``check_finite=False``) and served once; then the good
+        weights: every later sample is finite and greedy outputs are the original ones (NaN keys
+        and values cached under the bad weights must not leak into later attention)."""
+        good = {
+            k: v.to(engine.engine_dtype) for k, v in references(model_dir, "float32").state_dict().items()
+        }
+        nan = {k: torch.full_like(v, float("nan")) for k, v in good.items()}
+        skip_unless_declared(
+            can_refit(caps), "refit (refit_tensors or refit_ipc)", lambda: engine.refit(good)
+        )
+        engine.refit(nan, check_finite=False)
+        engine.generate(batch, greedy=True)
+        engine.refit(good)
+        for attempt in range(3):
+            out = engine.generate(batch)
+            mask = generated_mask(out, batch["input_lengths"])
+            bad = rows_where(~torch.isfinite(out["logprobs"]) & mask)
+            assert not bad, (
+                f"sampled generate {attempt} after the good refit: non-finite logprobs in rows {bad}"
+            )
+        restored = engine.generate(batch, greedy=True)
+        assert_same_tokens("greedy after the good refit", restored["output_ids"], greedy_out["output_ids"])

@@ -206,6 +206,9 @@ class RayGeneration(BaseGeneration):
     def _reset_prefix_cache(self) -> None:
         self.group.call_all(EngineWorker.reset_prefix_cache)
 
+    def _clear_kv_cache(self) -> None:
+        self.group.call_all(EngineWorker.clear_kv_cache)
+
     def _sleep(self) -> None:
         self.group.call_all(EngineWorker.sleep)
 

@@ -148,6 +148,11 @@ class EngineWorker(ABC):
     def reset_prefix_cache(self) -> None:
         self._reset_prefix_cache()
 
+    def clear_kv_cache(self) -> None:
+        """Drop every cached prefix and zero the KV cache (after outputs with NaN logprobs)."""
+        self._reset_prefix_cache()
+        self._clear_kv_cache()
+
     def sleep(self) -> None:
         """Reset the prefix cache and, with sleep mode, release the engine's device memory."""
         self._reset_prefix_cache()
@@ -185,6 +190,9 @@ class EngineWorker(ABC):
     @abstractmethod
     def _reset_prefix_cache(self) -> None:
         """Drop every cached prefix."""
+
+    def _clear_kv_cache(self) -> None:  # noqa: B027 - optional: engines that keep no stale KV need nothing
+        """Zero the KV cache's contents."""
 
     @abstractmethod
     def _release_memory(self) -> None:

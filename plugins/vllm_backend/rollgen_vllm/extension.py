@@ -43,6 +43,13 @@ class RollgenWorkerExtension:
             (time.perf_counter() - mapped) * 1e3,
         )
 
+    def rollgen_clear_kv_cache(self) -> None:
+        """Zero this rank's KV cache: after non-finite weights, cached keys and values stay NaN
+        and leak into later attention (masked slots still multiply NaN by zero)."""
+        for cache in getattr(self.model_runner, "kv_caches", None) or []:
+            for tensor in cache if isinstance(cache, (list, tuple)) else [cache]:
+                tensor.zero_()
+
     def rollgen_unpack(self, per_rank: list[bytes]) -> list[tuple[str, torch.Tensor]]:
         """This rank's bucket as named tensors (CUDA IPC: mapped on this worker's GPU)."""
         bucket: WeightBucket = pickle.loads(per_rank[getattr(self, "rank", 0)])

@@ -161,6 +161,9 @@ class VllmWorker(EngineWorker):
     def _reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
+    def _clear_kv_cache(self) -> None:
+        self.llm.collective_rpc(RollgenWorkerExtension.rollgen_clear_kv_cache.__name__)
+
     def _release_memory(self) -> None:
         # vLLM's workers free their own memory; this actor holds none of it
         self.llm.sleep(level=1)
