@@ -1,4 +1,5 @@
-"""The example engine: greedy or sampled decoding by recomputing the full sequence each step."""
+"""The example engine: greedy or sampled decoding by recomputing the full sequence each step (the
+engine of docs/writing-a-backend.md)."""
 
 from __future__ import annotations
 
@@ -21,35 +22,32 @@ class ExampleGeneration(BaseGeneration):
         self.model = AutoModelForCausalLM.from_pretrained(
             self.cfg["model_name"], dtype=self.engine_dtype
         ).eval()
-        self.rng = torch.Generator()
-        if self.cfg["seed"] is not None:
-            self.rng.manual_seed(self.cfg["seed"])
 
     @torch.no_grad()
     def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
-        rows, lps = [], []
-        # the core's stop ids: the config's and the model's EOS ids
-        stops = [set(p.stop_token_ids) for p in self.sample_params(batch, greedy)]
-        for ids, n, stop_ids in zip(batch["input_ids"], batch["input_lengths"].tolist(), stops):
-            seq = ids[:n].tolist()
-            budget = max(1, min(self.cfg["max_new_tokens"], self.max_model_len - n))
-            gen, gen_lp = [], []
-            for _ in range(budget):
-                logits = self.model(input_ids=torch.tensor([seq + gen])).logits[0, -1].float()
-                logp = logits.log_softmax(-1)
-                if greedy or self.cfg["temperature"] == 0:
+        rows, logprobs = [], []
+        params = self.sample_params(batch, greedy)
+        for ids, n, p in zip(batch["input_ids"], batch["input_lengths"].tolist(), params):
+            seq: list[int] = ids[:n].tolist()
+            tokens: list[int] = []
+            lps: list[float] = []
+            # each sample's seed alone drives it: the same sample in another batch or shard
+            rng = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+            for _ in range(p.max_new_tokens):
+                logits = self.model(input_ids=torch.tensor([seq + tokens])).logits[0, -1].float()
+                if p.greedy:
                     token = int(logits.argmax())
                 else:
-                    probs = (logits / self.cfg["temperature"]).softmax(-1)
-                    token = int(torch.multinomial(probs, 1, generator=self.rng))
-                gen.append(token)
-                gen_lp.append(float(logp[token]))
-                if token in stop_ids:
+                    probs = (logits / p.temperature).softmax(-1)
+                    token = int(torch.multinomial(probs, 1, generator=rng))
+                tokens.append(token)
+                lps.append(float(logits.log_softmax(-1)[token]))  # raw: temperature 1
+                if token in p.stop_token_ids:  # the config's stop ids and the model's EOS ids
                     break
-            rows.append(gen)
-            lps.append(gen_lp)
+            rows.append(tokens)
+            logprobs.append(lps)
         return assemble_from_lists(
-            batch["input_ids"], batch["input_lengths"], rows, lps, self.cfg["pad_token_id"]
+            batch["input_ids"], batch["input_lengths"], rows, logprobs, self.cfg["pad_token_id"]
         )
 
     def _apply_bucket(self, bucket: WeightBucket) -> None:
