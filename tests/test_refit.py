@@ -128,7 +128,8 @@ def test_an_update_covers_the_model_or_whole_module_groups_of_it() -> None:
 def test_non_finite_tensors_are_named_while_packing() -> None:
     good, nan = torch.ones(3), torch.tensor([1.0, float("nan")])
     inf = torch.tensor([float("inf")], dtype=torch.bfloat16)
-    assert nonfinite([("a", good), ("b", nan), ("c", torch.arange(3)), ("d", inf)]) == ["b", "d"]
+    huge = torch.full((4,), 1e30)  # finite, but its 2-norm overflows: checked element-wise
+    assert nonfinite([("a", good), ("b", nan), ("c", torch.arange(3)), ("d", inf), ("e", huge)]) == ["b", "d"]
     with pytest.raises(RefitError, match="NaN or infinite") as info:
         pack_bucket([("a", good), ("b", nan)], "tensors")
     assert info.value.problems == ["b"]

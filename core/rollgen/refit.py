@@ -236,23 +236,28 @@ def iter_buckets(
 
 
 def module_group(name: str) -> str:
-    """The grandparent module of a parameter (``model.layers.3.self_attn.q_proj.weight`` →
-    ``model.layers.3.self_attn``): the unit engines fuse parameters within."""
-    return name.rsplit(".", 2)[0]
+    """The unit engines fuse parameters within: the block of a projection
+    (``model.layers.3.self_attn.q_proj.weight`` → ``model.layers.3.self_attn``: engines fuse
+    q/k/v, and gate/up in ``mlp``), else the parameter's own module (``model.norm.weight`` →
+    ``model.norm``)."""
+    module = name.rpartition(".")[0] or name
+    parent, _, leaf = module.rpartition(".")
+    return parent if parent and leaf.endswith("_proj") else module
 
 
 def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """The names of the floating-point tensors that hold a NaN or an infinity (one fused
-    max-abs pass and one host sync per device)."""
+    """The names of the floating-point tensors that hold a NaN or an infinity: one fused 2-norm
+    pass and one host sync per device; a tensor whose norm is not finite is then checked
+    element-wise (a huge but finite tensor overflows its norm)."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in named:
         if tensor.is_floating_point() and tensor.numel():
             by_device.setdefault(tensor.device, []).append((name, tensor.detach()))
     bad = []
     for group in by_device.values():
-        peaks = torch._foreach_norm([t for _, t in group], float("inf"))
-        finite = torch.stack([p.float() for p in peaks]).isfinite().tolist()
-        bad += [name for (name, _), ok in zip(group, finite) if not ok]
+        norms = torch._foreach_norm([t for _, t in group])
+        suspects = (~torch.stack([n.float() for n in norms]).isfinite()).nonzero().flatten().tolist()
+        bad += [group[i][0] for i in suspects if not bool(torch.isfinite(group[i][1]).all())]
     return bad
 
 
