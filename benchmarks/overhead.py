@@ -1,6 +1,7 @@
 """rollgen's own work per generate call, without an engine: input validation, per-sample
 settings, data-parallel sharding, output assembly from the engine's per-sample token and logprob
-lists, and the merge, against a straightforward per-sample, per-token loop like the seed's.
+lists, the merge and the core's check of the result (contract, stop reasons, finite logprobs),
+against a straightforward per-sample, per-token loop like the seed's (assembly only).
 
     python -m benchmarks.overhead [--repeats 5] [--dp 2]
 """
@@ -18,7 +19,7 @@ from benchmarks.common import alternate, print_table, write_results
 from rollgen.config import validate_config
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.worker import GenerateRequest
-from rollgen.output import assemble_from_lists
+from rollgen.output import assemble_from_lists, finish_output
 from rollgen.sampling import resolve_sampling
 from rollgen.spec import GenerationConfig
 from rollgen.validation import validate_generation_input
@@ -59,7 +60,9 @@ def rollgen_call(data: dict[str, torch.Tensor], tokens: list, logprobs: list, dp
             )
         )
         start += n
-    return BatchedDataDict.from_batches(outs, pad_value_dict={"output_ids": PAD})
+    out = BatchedDataDict.from_batches(outs, pad_value_dict={"output_ids": PAD})
+    finish_output(out, batch, params, (PAD,), 16384, lambda i, tokens: False)
+    return out
 
 
 def seed_style_call(data: dict[str, torch.Tensor], tokens: list, logprobs: list) -> Any:

@@ -24,7 +24,7 @@ from rollgen.errors import (
     UnsupportedCapability,
 )
 from rollgen.model_info import ModelInfo
-from rollgen.output import check_output, empty_output, stop_reasons
+from rollgen.output import empty_output, finish_output
 from rollgen.refit import WeightBucket, WeightSpec
 from rollgen.sampling import SampleParams, resolve_sampling, truncate_at_stop
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
@@ -194,18 +194,17 @@ class BaseGeneration(ABC):
             out = self._generate(batch, greedy)
         finally:
             self._params = None
-        check_output(out, batch["input_ids"], batch["input_lengths"])
-        if not torch.isfinite(out["logprobs"]).all():
-            self._kv_poisoned = True
-            logger.warning("%s: NaN or infinite logprobs; are the weights finite?", self.name)
-        out["stop_reasons"] = stop_reasons(
+        finite = finish_output(
             out,
-            batch["input_lengths"],
+            batch,
             params,
             self.model_info.eos_token_ids,
             self.max_model_len,
             lambda i, tokens: any(s in self.tokenizer.decode(tokens) for s in params[i].stop_strings),
         )
+        if not finite:
+            self._kv_poisoned = True
+            logger.warning("%s: NaN or infinite logprobs; are the weights finite?", self.name)
         return out
 
     def sample_params(self, batch: Mapping[str, Any], greedy: bool) -> list[SampleParams]:

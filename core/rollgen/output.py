@@ -143,12 +143,12 @@ def stop_reasons(
     id), else a stop string its text holds, else the end of its budget, which the model's
     context may have shortened (``context``). ``hit_stop_string(i, tokens)`` decodes sample i."""
     eos = set(eos_token_ids)
-    ends = out["unpadded_sequence_lengths"].tolist()
-    lengths = out["generation_lengths"].tolist()
+    ends_t = out["unpadded_sequence_lengths"]
+    lasts = out["output_ids"].gather(1, (ends_t - 1).unsqueeze(1)).squeeze(1).tolist()
+    ends, lengths = ends_t.tolist(), out["generation_lengths"].tolist()
     rows = out["output_ids"]
     reasons = []
-    for i, (p, end, n) in enumerate(zip(params, ends, lengths)):
-        last = int(rows[i, end - 1])
+    for i, (p, end, n, last) in enumerate(zip(params, ends, lengths, lasts)):
         if last in eos:
             reasons.append("eos")
         elif last in p.stop_token_ids:
@@ -160,3 +160,21 @@ def stop_reasons(
         else:
             reasons.append("length")
     return reasons
+
+
+def finish_output(
+    out: BatchedDataDict[Any],
+    batch: Mapping[str, Any],
+    params: Sequence[SampleParams],
+    eos_token_ids: Sequence[int],
+    max_model_len: int,
+    hit_stop_string: Callable[[int, list[int]], bool],
+) -> bool:
+    """What the core does with every backend's result: check it against the contract
+    (``check_output``) and add each sample's stop reason. Returns whether every logprob is
+    finite (non-finite ones point at non-finite weights)."""
+    check_output(out, batch["input_ids"], batch["input_lengths"])
+    out["stop_reasons"] = stop_reasons(
+        out, batch["input_lengths"], params, eos_token_ids, max_model_len, hit_stop_string
+    )
+    return bool(torch.isfinite(out["logprobs"]).all())
