@@ -256,35 +256,3 @@ def test_a_rejected_refit_leaves_the_engine_serving(hf_config: dict) -> None:
         with pytest.raises(RefitError, match="update_weights takes"):
             engine.update_weights(None)  # type: ignore[arg-type]
         assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], before["output_ids"])
-
-
-def test_a_refit_from_another_thread_waits_for_a_running_generate(hf_config: dict) -> None:
-    """Calls on one generation object from several threads run one at a time: a generate sees
-    either the old weights or the new ones, never a mix (the HF engine reads its weights at
-    every token)."""
-    import threading
-
-    from rollgen.testing import load_reference_model
-
-    cfg = {**hf_config, "max_new_tokens": 64}
-    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]] * 8), "input_lengths": torch.tensor([4] * 8)}
-    other = load_reference_model(cfg["model_name"])
-    with torch.no_grad():
-        for p in other.parameters():
-            p.mul_(1.5)
-    with rollgen.create_generation(cfg) as engine:
-        old = engine.generate(batch, greedy=True)["output_ids"]
-        engine.refit(other)
-        new = engine.generate(batch, greedy=True)["output_ids"]
-        engine.refit(load_reference_model(cfg["model_name"]))
-        assert not torch.equal(old, new)
-        results: list[torch.Tensor] = []
-        thread = threading.Thread(
-            target=lambda: results.append(engine.generate(batch, greedy=True)["output_ids"])
-        )
-        thread.start()
-        engine.refit(other)
-        thread.join()
-    assert torch.equal(results[0], old) or torch.equal(results[0], new), (
-        "the generate mixed two weight versions"
-    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -210,3 +211,36 @@ class RefitTests:
             )
         restored = engine.generate(batch, greedy=True)
         assert_same_tokens("greedy after the good refit", restored["output_ids"], greedy_out["output_ids"])
+
+    def test_a_refit_from_another_thread_waits_for_a_running_generate(
+        self,
+        engine: Any,
+        caps: frozenset[Capability],
+        references: Callable[[str, str], Any],
+        model_dir: str,
+        other_model_dir: str,
+        batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
+    ) -> None:
+        """Calls on one generation object from several threads run one at a time: a generate
+        running while another thread refits sees the old weights or the new, never a mix."""
+        old, new = references(model_dir, "float32"), references(other_model_dir, "float32")
+        skip_unless_declared(can_refit(caps), "refit (refit_tensors or refit_ipc)", lambda: engine.refit(new))
+        try:
+            engine.refit(new, dtype=engine.engine_dtype)
+            with_new = engine.generate(batch, greedy=True)["output_ids"]
+            engine.refit(old, dtype=engine.engine_dtype)
+            results: list[torch.Tensor] = []
+            thread = threading.Thread(
+                target=lambda: results.append(engine.generate(batch, greedy=True)["output_ids"])
+            )
+            thread.start()
+            engine.refit(new, dtype=engine.engine_dtype)
+            thread.join()
+            assert results, "the generate in the other thread raised"
+            mixed = not (
+                torch.equal(results[0], greedy_out["output_ids"]) or torch.equal(results[0], with_new)
+            )
+            assert not mixed, f"a generate during a refit mixed two weights: {results[0].tolist()}"
+        finally:
+            engine.refit(old, dtype=engine.engine_dtype)
