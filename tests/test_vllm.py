@@ -152,32 +152,6 @@ def test_cpu_engines_get_a_kv_cache_that_fits_the_machine() -> None:
     assert given["kv_cache_memory_bytes"] == 5, "a size the config gives is kept"
 
 
-def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(vllm_config: dict) -> None:
-    """A DP=2 generation with the CPU defaults: once ``shutdown()`` returns, its actors are dead,
-    their processes gone, its placement group removed and /dev/shm as it was."""
-    import glob
-
-    from rollgen.distributed.worker import running
-
-    cfg = {**vllm_config, "vllm_cfg": {"data_parallel_size": 2, "cpus_per_bundle": 0.1}}
-    shm_before = set(glob.glob("/dev/shm/*"))
-    gen = rollgen.create_generation(cfg)
-    pids = [info["pid"] for info in gen.engine_info]
-    actors, pg_names = list(gen.group.workers), {pg.id.hex() for pg in gen.cluster.get_placement_groups()}
-    gen.shutdown()
-    alive = [p for p in pids if running(p)]  # a zombie not yet reaped by Ray's raylet is gone
-    assert not alive, f"engine worker processes {alive} outlive shutdown"
-    for actor in actors:
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(actor.__ray_ready__.remote(), timeout=60)
-    table = ray.util.placement_group_table()
-    assert all(table[pg]["state"] == "REMOVED" for pg in pg_names), {
-        pg: table[pg]["state"] for pg in pg_names
-    }
-    left = set(glob.glob("/dev/shm/*")) - shm_before
-    assert not left, f"shared-memory files left behind: {sorted(left)}"
-
-
 def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> None:
     """SIGKILL of the engine-core process of ``dp1`` (multi-process engine core; its Ray actor
     stays up): the worker sees its engine's process end and exits, so the next generate fails
@@ -194,3 +168,28 @@ def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> No
     os.kill(core[0], signal.SIGKILL)
     with pytest.raises(WorkerError, match="rollgen-vllm-dp0: died"):
         dp1.generate(batch, greedy=True)
+
+
+def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(dp2) -> None:
+    """``dp2`` (DP=2, the CPU defaults but a small KV cache): once ``shutdown()`` returns, its
+    actors are dead, their processes gone, its placement group removed and /dev/shm as it was.
+    (The module's last use of ``dp2``.)"""
+    import glob
+
+    from rollgen.distributed.worker import running
+
+    shm_before = set(glob.glob("/dev/shm/*"))
+    pids = [info["pid"] for info in dp2.engine_info]
+    actors, pg_names = list(dp2.group.workers), {pg.id.hex() for pg in dp2.cluster.get_placement_groups()}
+    dp2.shutdown()
+    alive = [p for p in pids if running(p)]  # a zombie not yet reaped by Ray's raylet is gone
+    assert not alive, f"engine worker processes {alive} outlive shutdown"
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.__ray_ready__.remote(), timeout=60)
+    table = ray.util.placement_group_table()
+    assert all(table[pg]["state"] == "REMOVED" for pg in pg_names), {
+        pg: table[pg]["state"] for pg in pg_names
+    }
+    left = set(glob.glob("/dev/shm/*")) - shm_before
+    assert not left, f"shared-memory files left behind: {sorted(left)}"
