@@ -172,14 +172,20 @@ def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> No
 
 def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(dp2) -> None:
     """``dp2`` (DP=2, the CPU defaults but a small KV cache): once ``shutdown()`` returns, its
-    actors are dead, their processes gone, its placement group removed and /dev/shm as it was.
-    (The module's last use of ``dp2``.)"""
-    import glob
+    actors are dead, their processes gone, its placement group removed, and the shared-memory
+    files its processes had mapped are gone. (The module's last use of ``dp2``.)"""
+    from pathlib import Path
 
-    from rollgen.distributed.worker import running
+    from rollgen.distributed.worker import descendants, running
 
-    shm_before = set(glob.glob("/dev/shm/*"))
     pids = [info["pid"] for info in dp2.engine_info]
+    processes = [*pids, *(p for pid in pids for p in descendants(pid))]
+    mapped = {
+        line.split()[-1]
+        for pid in processes
+        for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+        if "/dev/shm/" in line
+    }
     actors, pg_names = list(dp2.group.workers), {pg.id.hex() for pg in dp2.cluster.get_placement_groups()}
     dp2.shutdown()
     alive = [p for p in pids if running(p)]  # a zombie not yet reaped by Ray's raylet is gone
@@ -191,5 +197,5 @@ def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(d
     assert all(table[pg]["state"] == "REMOVED" for pg in pg_names), {
         pg: table[pg]["state"] for pg in pg_names
     }
-    left = set(glob.glob("/dev/shm/*")) - shm_before
-    assert not left, f"shared-memory files left behind: {sorted(left)}"
+    left = sorted(f for f in mapped if Path(f).exists())
+    assert not left, f"shared-memory files left behind: {left}"
