@@ -1,5 +1,5 @@
 """Comparing CPU profiles of engines' step loops, as the vLLM worker extension's
-``rollgen_profile`` returns them (profiled seconds and the top functions by their own time)."""
+the benchmarks' worker extension (``benchmarks.vllm_ext``) returns them (profiled seconds and the top functions by their own time)."""
 
 from __future__ import annotations
 
