@@ -1,5 +1,6 @@
-"""Comparing CPU profiles of engines' step loops, as the vLLM worker extension's
-the benchmarks' worker extension (``benchmarks.vllm_ext``) returns them (profiled seconds and the top functions by their own time)."""
+"""Comparing CPU profiles of engines' step loops, as the benchmarks' vLLM worker extension
+(``benchmarks.vllm_ext``) returns them (profiled seconds and the top functions by their own
+time)."""
 
 from __future__ import annotations
 
