@@ -1,5 +1,5 @@
 """The benchmarks' vLLM worker extension: rollgen's, plus what only a benchmark asks of a worker
-(a CPU profile of its step loop, its GPU, the timings of the last refit bucket). Engines get it
+(a CPU profile of its step loop, the timings of the last refit bucket). Engines get it
 through ``vllm_kwargs["worker_extension_cls"]`` (``EXTENSION``) and are asked through
 ``VllmGeneration.collective_rpc`` (or ``vllm.LLM.collective_rpc`` for a raw engine)."""
 
@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from rollgen.refit import device_uuid
 from rollgen_vllm.extension import RollgenWorkerExtension
 from rollgen_vllm.load_plan import LoadWay
 
@@ -36,9 +35,6 @@ class BenchWorkerExtension(RollgenWorkerExtension):
     def bench_last_load(self) -> dict[str, Any]:
         """The seconds this rank spent mapping and loading the last bucket, and how it loaded."""
         return dict(self.bench_load)
-
-    def bench_device_uuid(self) -> str:
-        return device_uuid(self.device) if torch.cuda.is_available() else "cpu"
 
     def bench_profile(self, start: bool, top: int = 40) -> dict[str, Any] | None:
         """A CPU profile (cProfile) of the thread that runs this worker's steps: at TP=1 the

@@ -7,6 +7,8 @@ to spend less device time on start-ups.
                                                     # own-work share
     python -m benchmarks.vllm_gpu --part refit     # one GPU: IPC refit by bucket size (and where
                                                     # its time goes), sleep/wake against raw vLLM
+    python -m benchmarks.vllm_gpu --part collective  # two GPUs: refit over NCCL from a trainer
+                                                    # on the other GPU, against a bare broadcast
     python -m benchmarks.vllm_gpu --part scaling   # two GPUs: DP=2 and TP=2 against DP=1
     python -m benchmarks.vllm_gpu --part sweep     # one GPU: throughput by batch size (--sweep),
                                                     # raw vLLM and rollgen, CUDA graphs
@@ -29,7 +31,7 @@ from typing import Any
 import torch
 
 import rollgen
-from benchmarks import cpu_profile, refit, scaling, sleep_wake, throughput
+from benchmarks import collective, cpu_profile, refit, scaling, sleep_wake, throughput
 from benchmarks.common import (
     GEN,
     PROMPT,
@@ -48,6 +50,7 @@ from rollgen.data import BatchedDataDict
 from rollgen.distributed import GenerateRequest, WorkerSpec
 from rollgen.refit import device_uuid
 from rollgen.sampling import SampleParams
+from rollgen.testing.trainer import free_port
 from rollgen_vllm.worker import engine_kwargs, sampling_params
 
 #: Ray GPU share of one engine in the single-GPU part (rollgen's and the raw actor fit on one GPU).
@@ -181,7 +184,7 @@ def close_raw(llm: Any) -> None:
 
 def engine_device(gen: Any) -> torch.device:
     """The local CUDA device the (TP=1) engine runs on, found by its GPU's UUID."""
-    uuid = first_rank(gen.collective_rpc("bench_device_uuid"))
+    uuid = gen.engine_devices[0]
     for i in range(torch.cuda.device_count()):
         if device_uuid(i) == uuid:
             return torch.device("cuda", i)
@@ -248,6 +251,34 @@ def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
         "finite_check": finite,
         "sleep_wake": sleeps,
     }
+
+
+def collective_part(args: argparse.Namespace, model: str) -> dict[str, list]:
+    """rollgen's engine (CUDA graphs, TP=1) on one GPU, the trainer (this process) on another:
+    refit over a weight-sync group (NCCL), against a bare NCCL broadcast of the same bytes
+    between the same GPUs (one piece, and 256 MiB pieces)."""
+    gen: Any = rollgen.create_generation(rollgen_config(model, False, args.util))
+    engine = engine_device(gen)
+    mine = next(i for i in range(torch.cuda.device_count()) if i != engine.index)
+    torch.cuda.set_device(mine)
+    gen.init_weight_sync(gen.weight_sync_spec("127.0.0.1", free_port()), local_sender=True)
+    state = refit.random_state(gen.weight_spec, torch.device("cuda", mine))
+    refits = refit.measure(gen, state, args.bucket_mib, args.repeats)
+    nbytes = int(refits[0]["gb"] * 1e9)
+    del state
+    torch.cuda.empty_cache()
+    floors = {
+        "whole": collective.broadcast_floor(nbytes, mine, engine.index, args.repeats),
+        "256MiB": collective.broadcast_floor(nbytes, mine, engine.index, args.repeats, 256 << 20),
+    }
+    for row in refits:
+        row["nccl_floor_ms"] = floors["whole"] * 1e3
+        row["vs_nccl_floor"] = row["refit_ms"] / row["nccl_floor_ms"]
+    floor_rows = [{"pieces": k, "gb": nbytes / 1e9, "broadcast_ms": v * 1e3} for k, v in floors.items()]
+    print_table(refits, [*refit.COLUMNS, "nccl_floor_ms", "vs_nccl_floor"])
+    print_table(floor_rows, list(floor_rows[0]))
+    gen.shutdown()
+    return {"by_bucket": refits, "nccl_floor": floor_rows}
 
 
 def sweep(args: argparse.Namespace, model: str) -> dict[str, list]:
@@ -451,6 +482,7 @@ def save(args: argparse.Namespace, results: dict[str, list]) -> None:
 PARTS: dict[str, Callable[[argparse.Namespace, str], dict[str, list]]] = {
     "single": single,
     "refit": refit_part,
+    "collective": collective_part,
     "sweep": sweep,
     "scaling": scaling_part,
     "ablation": ablation,

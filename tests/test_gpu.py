@@ -1,6 +1,7 @@
 """GPU-only checks of the vLLM backend (run on the lent H200s; skipped elsewhere).
 Results and the exact commands: docs/gpu-results.md."""
 
+import copy
 import importlib.util
 
 import pytest
@@ -75,3 +76,94 @@ def test_tp2_and_dp2_match_tp1(hf_config: dict, batch: dict) -> None:
             gen.refit(load_reference_model(tiny_model_dir(), torch.bfloat16))
         same = (out["output_ids"] == base["output_ids"]).all(dim=1).float().mean()
         assert same >= 0.9, (extra, float(same))  # bf16 TP reductions may flip a near-tie
+
+
+def agrees_with(model: torch.nn.Module, out: dict, batch: dict) -> dict:
+    lengths = batch["input_lengths"]
+    ref = teacher_forced_logprobs(
+        model.float().cpu(), out["output_ids"], lengths, out["unpadded_sequence_lengths"]
+    )
+    return agreement(out["logprobs"], ref, generated_mask(out, lengths))
+
+
+@pytest.mark.gpu2
+def test_one_trainer_process_refits_dp2_on_two_gpus_every_step(hf_config: dict, batch: dict) -> None:
+    """The trainer's model on GPU 0, vLLM DP=2 on GPUs 0 and 1: each refit packs one bucket
+    buffer on GPU 0, copies it to GPU 1 and sends each replica the handle for its GPU."""
+    with rollgen.create_generation(config(hf_config, data_parallel_size=2)) as gen:
+        assert len(set(gen.engine_devices)) == 2
+        trainer = load_reference_model(tiny_model_dir(), torch.bfloat16).cuda(0)
+        g = torch.Generator(device="cuda:0").manual_seed(0)
+        for step in range(4):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(torch.randn(p.shape, generator=g, device="cuda:0", dtype=p.dtype), alpha=1e-3)
+            gen.refit(trainer)
+            out = gen.generate(batch, greedy=True)
+            stats = agrees_with(copy.deepcopy(trainer), out, batch)
+            assert stats["token_mult_prob_error"] < 1.05, (step, stats)
+
+
+def _trainer_rank(rank: int, model_dir: str, conn) -> None:  # type: ignore[no-untyped-def]
+    """A colocated trainer rank: the full model on GPU ``rank`` (as FSDP holds it after its
+    all-gather), packed for CUDA IPC on that GPU; held until the driver says it is done."""
+    import pickle
+
+    torch.cuda.set_device(rank)
+    model = load_reference_model(model_dir, torch.bfloat16).cuda(rank)
+    conn.send(pickle.dumps(list(rollgen.iter_buckets(model, "cuda_ipc", bucket_bytes=1 << 20))))
+    conn.recv()
+
+
+@pytest.mark.gpu2
+def test_two_colocated_trainer_processes_refit_tp2_by_merged_ipc(hf_config: dict, batch: dict) -> None:
+    """vLLM TP=2 on GPUs 0 and 1 and a trainer of two processes, one per GPU: each packs its
+    buckets on its GPU, the driver merges them and every TP rank maps its own GPU's buffer."""
+    import multiprocessing
+    import pickle
+
+    other = tiny_model_dir(trained=False)
+    context = multiprocessing.get_context("spawn")
+    with rollgen.create_generation(config(hf_config, tensor_parallel_size=2)) as gen:
+        pipes = [context.Pipe() for _ in range(2)]
+        ranks = [context.Process(target=_trainer_rank, args=(r, other, pipes[r][1])) for r in range(2)]
+        for p in ranks:
+            p.start()
+        try:
+            per_rank = [pickle.loads(parent.recv()) for parent, _ in pipes]
+            with pytest.raises(rollgen.RefitError, match="engines run on GPUs"):
+                gen.update_weights(per_rank[0])  # one rank's GPU only: refused before anything is sent
+            gen.update_weights(rollgen.merge_buckets(per_rank))
+        finally:
+            for parent, _ in pipes:
+                parent.send("done")
+            for p in ranks:
+                p.join(60)
+        out = gen.generate(batch, greedy=True)
+    stats = agrees_with(load_reference_model(other, torch.bfloat16), out, batch)
+    assert stats["token_mult_prob_error"] < 1.05, stats
+
+
+@pytest.mark.gpu2
+def test_nccl_refit_from_a_trainer_on_another_gpu(hf_config: dict, batch: dict) -> None:
+    """vLLM TP=1 on one GPU, the trainer (this process) on the other: a weight-sync group over
+    NCCL, and refit() broadcasts; logprobs follow the new weights; refitting back restores."""
+    from rollgen.refit import device_uuid
+    from rollgen.testing.trainer import free_port
+
+    with rollgen.create_generation(config(hf_config)) as gen:
+        base = gen.generate(batch, greedy=True)
+        (engine_gpu,) = gen.engine_devices
+        mine = next(i for i in range(torch.cuda.device_count()) if device_uuid(i) != engine_gpu)
+        torch.cuda.set_device(mine)
+        spec = gen.weight_sync_spec("127.0.0.1", free_port(), timeout_s=120)
+        assert spec.backend == "nccl"
+        gen.init_weight_sync(spec, local_sender=True)
+        new = load_reference_model(tiny_model_dir(trained=False), torch.bfloat16).cuda(mine)
+        gen.refit(new)
+        out = gen.generate(batch, greedy=True)
+        stats = agrees_with(new, out, batch)
+        assert stats["token_mult_prob_error"] < 1.05, stats
+        gen.refit(load_reference_model(tiny_model_dir(), torch.bfloat16).cuda(mine))
+        back = gen.generate(batch, greedy=True)
+    assert torch.equal(back["output_ids"], base["output_ids"])

@@ -14,14 +14,17 @@ from rollgen.refit import (
     FLAT_ALIGN,
     GPU_BUCKET_BYTES,
     TensorMeta,
+    WeightBucket,
     WeightSpec,
     check_against_spec,
+    check_reach,
     check_source,
     default_bucket_bytes,
     flat_offsets,
     flatten,
     gpu_bucket_bytes,
     iter_buckets,
+    merge_buckets,
     nonfinite,
     pack_bucket,
     unflatten,
@@ -64,9 +67,9 @@ def test_flat_buffer_round_trips_any_dtypes_and_shapes(
     shapes: list[list[int]], dtypes: list[torch.dtype]
 ) -> None:
     tensors = [torch.randn(s).to(d) for s, d in zip(shapes, dtypes)]
-    offsets = flat_offsets(tensors)
-    assert all(o % FLAT_ALIGN == 0 for o in offsets)
     metas = tuple(TensorMeta.of(str(i), t) for i, t in enumerate(tensors))
+    offsets = flat_offsets(m.nbytes for m in metas)
+    assert all(o % FLAT_ALIGN == 0 for o in offsets)
     buf = flatten(tensors, metas, offsets, torch.device("cpu"))
     back = unflatten(buf, metas, offsets)
     assert all(b.dtype == t.dtype and torch.equal(b, t) for b, t in zip(back, tensors))
@@ -256,3 +259,34 @@ def test_a_rejected_refit_leaves_the_engine_serving(hf_config: dict) -> None:
         with pytest.raises(RefitError, match="update_weights takes"):
             engine.update_weights(None)  # type: ignore[arg-type]
         assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], before["output_ids"])
+
+
+def ipc_stand_in(gpus: list[str], names: tuple[str, ...] = ("a", "b")) -> WeightBucket:
+    """A cuda_ipc bucket whose payload maps GPU UUIDs to placeholders: a stand-in for the CUDA
+    IPC handles this CPU machine cannot make (merging and checking read only their keys)."""
+    metas = tuple(TensorMeta(n, (2,), "float32") for n in names)
+    return WeightBucket("cuda_ipc", metas, {gpu: f"handle-on-{gpu}" for gpu in gpus}, flat_offsets([8, 8]))
+
+
+def test_buckets_of_colocated_trainer_ranks_merge_into_one_update_with_every_gpus_handle() -> None:
+    merged = merge_buckets([[ipc_stand_in(["GPU-0"])] * 2, [ipc_stand_in(["GPU-1"])] * 2])
+    assert len(merged) == 2 and all(
+        b.payload == {"GPU-0": "handle-on-GPU-0", "GPU-1": "handle-on-GPU-1"} for b in merged
+    )
+    check_reach(merged[0], ["GPU-0", "GPU-1"])
+
+
+def test_merging_refuses_ranks_that_packed_differently_or_share_a_gpu() -> None:
+    with pytest.raises(RefitError, match="different numbers of buckets"):
+        merge_buckets([[ipc_stand_in(["GPU-0"])], []])
+    with pytest.raises(RefitError, match="rank 1 packed other tensors"):
+        merge_buckets([[ipc_stand_in(["GPU-0"])], [ipc_stand_in(["GPU-1"], ("a", "c"))]])
+    with pytest.raises(RefitError, match="rank 1 is on GPU"):
+        merge_buckets([[ipc_stand_in(["GPU-0"])], [ipc_stand_in(["GPU-0"])]])
+
+
+def test_an_ipc_update_that_misses_an_engine_gpu_is_refused_naming_the_topology() -> None:
+    with pytest.raises(RefitError, match="engines run on GPUs") as err:
+        check_reach(ipc_stand_in(["GPU-0"]), ["GPU-0", "GPU-1"])
+    assert err.value.problems == ["no handle for engine GPU GPU-1"]
+    check_reach(WeightBucket("tensors", (), []), ["GPU-0"])  # other transports reach every engine

@@ -170,6 +170,43 @@ def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> No
         dp1.generate(batch, greedy=True)
 
 
+def test_a_collective_update_that_fails_on_one_replica_makes_the_whole_generation_stale(
+    vllm_config: dict, batch: dict, model_dir: str
+) -> None:
+    """DP=2 over a weight-sync group, with a fault injected (``vllm_faults``, a stand-in) into
+    the second replica's load of the second bucket, after the first replica applied it: the
+    driver and the trainer get the same typed RefitError, generate refuses with StaleWeights
+    (the replicas hold different weights), and the next complete update restores the outputs."""
+    from rollgen import RefitError, StaleWeights
+    from rollgen.testing.tiny_model import tiny_model_dir
+    from rollgen.testing.trainer import free_port, start_trainer
+
+    cfg = {
+        **vllm_config,
+        "vllm_cfg": {**vllm_config["vllm_cfg"], "data_parallel_size": 2},
+        "vllm_kwargs": {"worker_extension_cls": "tests.vllm_faults.FailOnceOnLastRank"},
+    }
+    with rollgen.create_generation(cfg) as gen:
+        before = gen.generate(batch, greedy=True)
+        spec = gen.weight_sync_spec("127.0.0.1", free_port(), timeout_s=120)
+        trainer = start_trainer(spec, [(tiny_model_dir(trained=False), None), (model_dir, None)], "float32")
+        try:
+            gen.init_weight_sync(spec)
+            with pytest.raises(RefitError, match="engine rank 2 failed to load bucket 2") as failed:
+                gen.update_weights_from_collective()
+            assert failed.value.stale
+            assert trainer.result().startswith("RefitError: engine rank 2 failed to load bucket 2")
+            with pytest.raises(StaleWeights):
+                gen.generate(batch, greedy=True)
+            gen.update_weights_from_collective()
+            assert trainer.result() == "ok"
+        finally:
+            trainer.kill()
+        after = gen.generate(batch, greedy=True)
+    assert torch.equal(after["output_ids"], before["output_ids"])
+    assert torch.equal(after["logprobs"], before["logprobs"])
+
+
 def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(dp2) -> None:
     """``dp2`` (DP=2, the CPU defaults but a small KV cache): once ``shutdown()`` returns, its
     actors are dead, their processes gone, its placement group removed, and the shared-memory

@@ -22,7 +22,7 @@ from rollgen.errors import (
 from rollgen.hookspecs import hookimpl
 from rollgen.interface import GenerationInterface
 from rollgen.output import generated_mask
-from rollgen.refit import WeightBucket, iter_buckets, pack_bucket
+from rollgen.refit import WeightBucket, iter_buckets, merge_buckets, pack_bucket
 from rollgen.registry import get_registry
 from rollgen.spec import (
     SPEC_VERSION,
@@ -31,6 +31,7 @@ from rollgen.spec import (
     GenerationDatumSpec,
     GenerationOutputSpec,
 )
+from rollgen.weight_sync import SyncGroupSpec, WeightSender
 
 __version__ = "0.1.0"
 
@@ -55,8 +56,10 @@ __all__ = [
     "RefitError",
     "RollgenError",
     "StaleWeights",
+    "SyncGroupSpec",
     "UnsupportedCapability",
     "WeightBucket",
+    "WeightSender",
     "WorkerError",
     "__version__",
     "create_generation",
@@ -64,5 +67,6 @@ __all__ = [
     "get_registry",
     "hookimpl",
     "iter_buckets",
+    "merge_buckets",
     "pack_bucket",
 ]

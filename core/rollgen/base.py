@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -20,6 +21,7 @@ from rollgen.errors import (
     EngineClosed,
     InputError,
     RefitError,
+    RollgenError,
     StaleWeights,
     UnsupportedCapability,
 )
@@ -28,6 +30,7 @@ from rollgen.output import empty_output, finish_output
 from rollgen.refit import WeightBucket, WeightSpec
 from rollgen.sampling import SampleParams, resolve_sampling, truncate_at_stop
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
+from rollgen.weight_sync import SyncBackend, SyncGroup, SyncGroupSpec, WeightSender, receive
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,8 @@ class BaseGeneration(ABC):
 
     #: Transport ``refit()`` packs local sources with; backends override.
     local_transport: refit_mod.Transport = "tensors"
+    #: Whether the engine runs in this process (its end of a weight-sync group joins here).
+    engines_in_process: ClassVar[bool] = True
 
     def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
         from rollgen.registry import get_registry
@@ -88,6 +93,10 @@ class BaseGeneration(ABC):
         #: A generate returned non-finite logprobs: the engine's KV cache may hold NaNs, which
         #: the next complete refit clears.
         self._kv_poisoned = False
+        #: The weight-sync group (``init_weight_sync``), and its sender when it is this process.
+        self.weight_sync: SyncGroupSpec | None = None
+        self._sender: WeightSender | None = None
+        self._sync_group: SyncGroup | None = None
         seed = self.cfg.get("seed")
         self._seed_rng = None if seed is None else torch.Generator().manual_seed(int(seed))
         if self.cfg.get("logprobs_mode") == "processed":
@@ -324,6 +333,8 @@ class BaseGeneration(ABC):
                 raise RefitError(f"unknown refit transport {b.transport!r}")
             self.require(refit_mod.TRANSPORT_CAPABILITY[b.transport], f"refit over {b.transport}")
         self.check_weights((m for b in items for m in b.metas), partial)
+        for b in items:
+            refit_mod.check_reach(b, self.engine_devices)
         self._apply(items, partial, f"update_weights of {len(items)} bucket(s)")
 
     @serialised
@@ -340,7 +351,10 @@ class BaseGeneration(ABC):
         dtypes, the whole model covered unless ``partial``, no NaN or infinite value unless
         ``check_finite`` is False), then stream bounded buckets over ``local_transport``
         (``bucket_bytes`` None: a quarter of the free memory of the source's GPU, 64 MiB to 4 GiB;
-        1 GiB from host memory). ``dtype`` casts while packing."""
+        1 GiB from host memory), or broadcast them over the weight-sync group when this process
+        is its sender (``init_weight_sync(..., local_sender=True)``). ``dtype`` casts while
+        packing. Over CUDA IPC, RefitError before anything is sent unless the source's GPU
+        holds every engine GPU's handle."""
         self._check_open()
         self._check_awake(["weights"], "refit")
         self.require(refit_mod.TRANSPORT_CAPABILITY[self.local_transport], "refit")
@@ -350,6 +364,18 @@ class BaseGeneration(ABC):
         self.check_weights((refit_mod.TensorMeta(n, s, d) for n, (s, d) in spec.items()), partial)
         if check_finite:
             refit_mod.require_finite(refit_mod.named_tensors(source))
+        if self._sender is not None:
+            sender = self._sender
+            self._update_over_sync(
+                lambda: sender.send(
+                    source,
+                    bucket_bytes=bucket_bytes,
+                    dtype=dtype,
+                    partial=partial,
+                    check_finite=check_finite and dtype is not None,
+                )
+            )
+            return
         buckets = refit_mod.iter_buckets(
             source,
             self.local_transport,
@@ -357,6 +383,8 @@ class BaseGeneration(ABC):
             dtype=dtype,
             # the source was checked; a cast to a narrower dtype may still overflow
             check_finite=check_finite and dtype is not None,
+            # one handle for each engine GPU (a source on one GPU reaches engines on others)
+            devices=self.engine_devices or None,
         )
         self._apply(buckets, partial, "refit")
 
@@ -366,20 +394,136 @@ class BaseGeneration(ABC):
         applied = 0
         try:
             for bucket in buckets:
+                refit_mod.check_reach(bucket, self.engine_devices)
                 applied += 1
                 self._apply_bucket(bucket)
                 del bucket
         except BaseException as exc:
             if applied:
-                self._stale = f"{what} failed at bucket {applied} ({type(exc).__name__}: {exc})"
-                logger.error("%s: %s; generation is stale until a complete refit", self.name, self._stale)
+                self._mark_stale(f"{what} failed at bucket {applied} ({type(exc).__name__}: {exc})")
             raise
+        self._after_update(partial)
+
+    def _mark_stale(self, why: str) -> None:
+        self._stale = why
+        logger.error("%s: %s; generation is stale until a complete refit", self.name, why)
+
+    def _after_update(self, partial: bool) -> None:
+        """A complete update clears staleness (and a KV cache poisoned by NaN weights); any
+        update invalidates cached prefixes."""
         if not partial:
             self._stale = None
         if self._kv_poisoned and not partial:
             self._clear_kv_cache()
             self._kv_poisoned = self._prefixes_cached = False
         self._invalidate_prefixes()
+
+    @property
+    def engine_devices(self) -> tuple[str, ...]:
+        """UUIDs of the GPUs the engine's ranks run on (empty on CPU, or where unknown)."""
+        return ()
+
+    # ---- weight-sync group ----------------------------------------------------------------------
+    @property
+    def weight_sync_ranks(self) -> int:
+        """How many engine ranks join a weight-sync group (every TP rank of every replica)."""
+        return 1
+
+    @property
+    def sync_device(self) -> torch.device:
+        """Where the engine receives broadcast buckets (NCCL needs a GPU)."""
+        return torch.device("cpu")
+
+    def weight_sync_spec(
+        self, address: str, port: int, *, backend: SyncBackend | None = None, timeout_s: float = 600.0
+    ) -> SyncGroupSpec:
+        """The spec of a weight-sync group for these engines: the trainer's sending rank (rank
+        0) hosts its TCP store at ``address:port``; every engine rank joins (``backend`` None:
+        NCCL if the engines run on GPUs, else gloo). Give it to ``init_weight_sync`` here and to
+        ``rollgen.WeightSender`` in the trainer's sending process."""
+        self.require(Capability.REFIT_COLLECTIVE, "a weight-sync group")
+        if backend is None:
+            backend = "nccl" if self.sync_device.type == "cuda" else "gloo"
+        return SyncGroupSpec(address, port, 1 + self.weight_sync_ranks, backend, timeout_s)
+
+    @serialised
+    def init_weight_sync(self, spec: SyncGroupSpec, *, local_sender: bool = False) -> None:
+        """Have every engine rank join the weight-sync group of ``spec`` (``weight_sync_spec``)
+        while the trainer's sending process joins with ``rollgen.WeightSender(spec)``; returns
+        once all have. ``local_sender``: this process is the sender, and ``refit`` broadcasts.
+        Then each ``WeightSender.send`` pairs with an ``update_weights_from_collective`` here."""
+        self._check_open()
+        self.require(Capability.REFIT_COLLECTIVE, "init_weight_sync")
+        if self.weight_sync is not None:
+            raise RefitError(f"{self.name}: a weight-sync group is set up already ({self.weight_sync})")
+        if spec.world_size != 1 + self.weight_sync_ranks:
+            raise RefitError(
+                f"{self.name}: the group has {spec.world_size} ranks; these engines need 1 + "
+                f"{self.weight_sync_ranks} (make the spec with weight_sync_spec)"
+            )
+        if local_sender and self.engines_in_process:
+            raise RefitError(
+                f"{self.name} runs its engine in this process: refit() here copies the weights directly; "
+                "a weight-sync group is for a trainer in another process (local_sender=False)"
+            )
+        joined = self._join_weight_sync(spec)
+        sender = WeightSender(spec) if local_sender else None
+        joined()
+        self.weight_sync, self._sender = spec, sender
+
+    @serialised
+    def update_weights_from_collective(self) -> None:
+        """Receive the update the trainer's ``WeightSender.send`` broadcasts (call both at once:
+        this returns when the update is applied). Checked against the served model before any
+        byte is applied; a failure while applying marks the generation stale."""
+        self._check_open()
+        self._check_awake(["weights"], "update weights")
+        if self.weight_sync is None:
+            raise RefitError(f"{self.name}: no weight-sync group; call init_weight_sync first")
+        if self._sender is not None:
+            raise RefitError(f"{self.name}: this process is the group's sender; call refit(source)")
+        self._update_over_sync(None)
+
+    def _update_over_sync(self, send: Callable[[], None] | None) -> None:
+        """Receive one update on every engine rank while ``send`` (if any) broadcasts it here."""
+        try:
+            received = self._receive_weights(self.weight_spec)
+            if send is not None:
+                try:
+                    send()
+                except RollgenError:
+                    with contextlib.suppress(RollgenError):
+                        received()  # the engines raise the same error
+                    raise
+            partial = received()
+        except RollgenError as exc:
+            if not isinstance(exc, RefitError) or exc.stale:
+                self._mark_stale(f"an update over the weight-sync group failed ({type(exc).__name__}: {exc})")
+            raise
+        self._after_update(partial)
+
+    def _join_weight_sync(self, spec: SyncGroupSpec) -> Callable[[], None]:
+        """Start the engine ranks joining (ranks 1..); returns a wait for them. In process: the
+        engine joins as rank 1 (returning once the sender has joined)."""
+        self._sync_group = SyncGroup(spec, 1, self.sync_device)
+        return lambda: None
+
+    def _receive_weights(self, spec: WeightSpec) -> Callable[[], bool]:
+        """Start every engine rank receiving one update; returns a wait for them that says
+        whether the update was partial. In process: received here, through ``_apply_bucket``."""
+        group = self._sync_group
+        if group is None:
+            raise RefitError(f"{self.name}: no weight-sync group; call init_weight_sync first")
+        partial = receive(
+            group,
+            spec,
+            lambda named: self._apply_bucket(
+                WeightBucket(
+                    "tensors", tuple(refit_mod.TensorMeta.of(n, t) for n, t in named), [t for _, t in named]
+                )
+            ),
+        )
+        return lambda: partial
 
     @abstractmethod
     def _apply_bucket(self, bucket: WeightBucket) -> None:
@@ -407,6 +551,7 @@ class BaseGeneration(ABC):
         if self._closed:
             return
         self._closed = True
+        self._sender = self._sync_group = None
         self._shutdown()
 
     def __enter__(self) -> BaseGeneration:

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 class RollgenError(Exception):
-    """Base class of every error rollgen raises on purpose."""
+    """Base class of every error rollgen raises on purpose. Picklable with its attributes
+    (errors raised in engine processes reach the caller as themselves)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), str(self), self.__dict__)
+
+
+def _rebuild(cls: type[RollgenError], message: str, attributes: dict[str, Any]) -> RollgenError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(attributes)
+    return error
 
 
 class BackendNotFound(RollgenError, LookupError):
@@ -55,10 +67,12 @@ class UnsupportedCapability(RollgenError, NotImplementedError):
 
 class RefitError(RollgenError):
     """A weight update was rejected or failed. When raised by validation nothing was applied and
-    the engine keeps serving its previous weights."""
+    the engine keeps serving its previous weights. ``stale``: part of the update reached the
+    engine before it failed, so the generation refuses to generate until a complete refit."""
 
-    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+    def __init__(self, message: str, problems: Sequence[str] = (), *, stale: bool = False) -> None:
         self.problems = list(problems)
+        self.stale = stale
         if self.problems:
             shown = self.problems[:20]
             more = len(self.problems) - len(shown)

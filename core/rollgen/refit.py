@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
@@ -49,6 +49,10 @@ class TensorMeta:
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorMeta:
         return cls(name, tuple(tensor.shape), dtype_name(tensor.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -141,6 +145,55 @@ class WeightBucket:
         return [(m.name, t) for m, t in zip(self.metas, tensors, strict=True)]
 
 
+def merge_buckets(per_rank: Sequence[Sequence[WeightBucket]]) -> list[WeightBucket]:
+    """One update from the CUDA IPC buckets of several trainer ranks colocated with the engines
+    (FSDP or Megatron ranks, each holding the full tensors after gathering them): rank r packs
+    ``iter_buckets(source, "cuda_ipc")`` on its own GPU, the driver merges them, and each engine
+    worker finds the handle for its GPU. Every rank must pack the same tensors in the same
+    buckets, and keep its buckets alive until ``update_weights`` returns."""
+    if not per_rank:
+        raise RefitError("merge_buckets takes each trainer rank's buckets; got none")
+    counts = {len(b) for b in per_rank}
+    if len(counts) > 1:
+        raise RefitError(f"trainer ranks packed different numbers of buckets: {[len(b) for b in per_rank]}")
+    merged = []
+    for i, buckets in enumerate(zip(*per_rank)):
+        first = buckets[0]
+        payload: dict[str, Any] = {}
+        for rank, bucket in enumerate(buckets):
+            if bucket.transport != "cuda_ipc":
+                raise RefitError(
+                    f"merge_buckets merges cuda_ipc buckets; rank {rank} packed {bucket.transport!r}"
+                )
+            if (bucket.metas, bucket.offsets) != (first.metas, first.offsets):
+                raise RefitError(
+                    f"bucket {i}: rank {rank} packed other tensors than rank 0 "
+                    "(the same source and bucket_bytes on every rank?)"
+                )
+            shared = sorted(set(payload) & set(bucket.payload))
+            if shared:
+                raise RefitError(f"bucket {i}: rank {rank} is on GPU(s) {shared} as another rank is")
+            payload.update(bucket.payload)
+        merged.append(WeightBucket("cuda_ipc", first.metas, payload, first.offsets))
+    return merged
+
+
+def check_reach(bucket: WeightBucket, engine_devices: Iterable[str]) -> None:
+    """RefitError unless a CUDA IPC bucket holds a handle for each of ``engine_devices`` (GPU
+    UUIDs), checked on the driver before anything is sent."""
+    engine_devices = list(engine_devices)
+    missing = sorted(set(engine_devices) - set(bucket.payload)) if bucket.transport == "cuda_ipc" else []
+    if missing:
+        raise RefitError(
+            f"refit over CUDA IPC: the engines run on GPUs {engine_devices}, the update holds "
+            f"tensors on {sorted(bucket.payload)} only; nothing was sent. CUDA IPC needs the "
+            "trainer's tensors on every engine GPU: with trainer ranks colocated on them, pack "
+            "buckets on each rank and merge them (rollgen.merge_buckets); otherwise set up a "
+            "weight-sync group (init_weight_sync) and refit over it",
+            [f"no handle for engine GPU {uuid}" for uuid in missing],
+        )
+
+
 def check_source(source: Any) -> None:
     """RefitError unless ``source`` is a module or a mapping of names to torch tensors."""
     if isinstance(source, torch.nn.Module):
@@ -209,13 +262,24 @@ def iter_buckets(
     bucket_bytes: int | None = None,
     dtype: torch.dtype | None = None,
     check_finite: bool = True,
+    devices: Sequence[str] | None = None,
 ) -> Iterator[WeightBucket]:
     """Trainer-side helper: pack ``source`` into buckets of about ``bucket_bytes`` (None:
     ``default_bucket_bytes``). Buckets are made one at a time, so a cast or a copy into shared
     memory or a flat GPU buffer never holds more than one bucket beyond the model. Tensors of one
     module group (``module_group``) never straddle two buckets: engines fuse siblings such as
     q/k/v or gate/up and must receive them together. Each bucket is checked for NaN and infinite
-    values after the cast (``check_finite``)."""
+    values after the cast (``check_finite``). ``devices``: as ``pack_bucket``'s."""
+    for group in bucket_groups(source, bucket_bytes, dtype):
+        yield pack_bucket(group, transport, dtype=dtype, check_finite=check_finite, devices=devices)
+
+
+def bucket_groups(
+    source: torch.nn.Module | Mapping[str, torch.Tensor],
+    bucket_bytes: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The named tensors of each bucket ``iter_buckets`` packs (module groups kept whole)."""
     check_bucket_bytes(bucket_bytes)
     if bucket_bytes is None:
         bucket_bytes = default_bucket_bytes(source)
@@ -226,13 +290,13 @@ def iter_buckets(
         nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
         key = module_group(name)
         if group and key != last_key and size + nbytes > bucket_bytes:
-            yield pack_bucket(group, transport, dtype=dtype, check_finite=check_finite)
+            yield group
             group, size = [], 0
         group.append((name, tensor))
         size += nbytes
         last_key = key
     if group:
-        yield pack_bucket(group, transport, dtype=dtype, check_finite=check_finite)
+        yield group
 
 
 def module_group(name: str) -> str:
@@ -278,9 +342,11 @@ def pack_bucket(
     *,
     dtype: torch.dtype | None = None,
     check_finite: bool = True,
+    devices: Sequence[str] | None = None,
 ) -> WeightBucket:
     """Pack named tensors for ``transport`` (casting to ``dtype`` first when given). RefitError
-    if a tensor holds a NaN or an infinity, after the cast (unless ``check_finite`` is False)."""
+    if a tensor holds a NaN or an infinity, after the cast (unless ``check_finite`` is False).
+    ``devices``: for ``cuda_ipc``, the UUIDs of the GPUs to make handles for (the engines')."""
     names, tensors = [], []
     for name, tensor in named:
         t = tensor.detach()
@@ -293,24 +359,24 @@ def pack_bucket(
     metas = tuple(TensorMeta.of(n, t) for n, t in zip(names, tensors))
     if transport == "tensors":
         return WeightBucket(transport, metas, tensors)
-    offsets = flat_offsets(tensors)
+    offsets = flat_offsets(m.nbytes for m in metas)
     if transport == "shared_memory":
         torch.multiprocessing.set_sharing_strategy("file_system")
         buf = flatten(tensors, metas, offsets, torch.device("cpu")).share_memory_()
         return WeightBucket(transport, metas, None, offsets, _keepalive=[buf])
     if transport == "cuda_ipc":
-        payload, keep = _ipc_handles(tensors, metas, offsets)
+        payload, keep = _ipc_handles(tensors, metas, offsets, devices)
         return WeightBucket(transport, metas, payload, offsets, _keepalive=keep)
     raise RefitError(f"unknown refit transport {transport!r}; use tensors, shared_memory or cuda_ipc")
 
 
-def flat_offsets(tensors: list[torch.Tensor]) -> tuple[int, ...]:
-    """Byte offsets of ``tensors`` laid end to end, each aligned to FLAT_ALIGN; the last entry is
-    the buffer's size."""
+def flat_offsets(sizes: Iterable[int]) -> tuple[int, ...]:
+    """Byte offsets of tensors of ``sizes`` bytes laid end to end, each aligned to FLAT_ALIGN;
+    the last entry is the buffer's size."""
     offsets, end = [], 0
-    for t in tensors:
+    for nbytes in sizes:
         offsets.append(end)
-        end += -(-t.numel() * t.element_size() // FLAT_ALIGN) * FLAT_ALIGN
+        end += -(-nbytes // FLAT_ALIGN) * FLAT_ALIGN
     return (*offsets, end)
 
 
@@ -335,9 +401,7 @@ def unflatten(
     """Views of ``buf`` with the shapes and dtypes of ``metas`` (no copy)."""
     out = []
     for m, start in zip(metas, offsets):
-        dtype = getattr(torch, m.dtype)
-        n = math.prod(m.shape) * dtype.itemsize
-        out.append(buf[start : start + n].view(dtype).view(m.shape))
+        out.append(buf[start : start + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape))
     return out
 
 
@@ -349,10 +413,15 @@ def device_uuid(device: torch.device | int | None = None) -> str:
 
 
 def _ipc_handles(
-    tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], offsets: tuple[int, ...]
+    tensors: list[torch.Tensor],
+    metas: tuple[TensorMeta, ...],
+    offsets: tuple[int, ...],
+    devices: Sequence[str] | None = None,
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """One flat buffer and its IPC handle for every target GPU: the tensors' own GPU, or (for CPU
-    tensors) every visible GPU, so each tensor-parallel rank finds its device's handle by UUID."""
+    """One flat buffer and its IPC handle for every target GPU, so each engine rank finds its
+    GPU's handle by UUID: the GPUs of ``devices`` (UUIDs; each must be visible here), else the
+    tensors' own GPU, or (for CPU tensors) every visible GPU. The first buffer is packed with
+    one fused copy; the others are one device-to-device copy of it each."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     if not tensors:
@@ -361,16 +430,27 @@ def _ipc_handles(
     if len(on) > 1:
         raise RefitError(f"cuda_ipc bucket tensors sit on several devices {sorted(map(str, on))}")
     source = on.pop()
-    if source.type == "cuda":
-        targets = [source]
-    elif torch.cuda.is_available():
-        targets = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    else:
+    if not torch.cuda.is_available():
         raise RefitError("cuda_ipc needs CUDA; use the shared_memory transport on CPU")
+    visible = {device_uuid(i): torch.device("cuda", i) for i in range(torch.cuda.device_count())}
+    if devices is not None:
+        unseen = [d for d in devices if d not in visible]
+        if unseen:
+            raise RefitError(
+                f"refit over CUDA IPC: engine GPUs {unseen} are not visible to this process (it sees "
+                f"{sorted(visible)}); nothing was sent. Refit from a process that sees every engine "
+                "GPU, merge the buckets of trainer ranks on them (rollgen.merge_buckets), or set up "
+                "a weight-sync group (init_weight_sync)"
+            )
+        targets = sorted({visible[d] for d in devices}, key=lambda d: d != source)
+    elif source.type == "cuda":
+        targets = [source]
+    else:
+        targets = list(visible.values())
     payload: dict[str, Any] = {}
     keep: list[torch.Tensor] = []
     for device in targets:
-        buf = flatten(tensors, metas, offsets, device)
+        buf = flatten(tensors, metas, offsets, device) if not keep else keep[0].to(device)
         payload[device_uuid(device)] = reduce_tensor(buf)
         keep.append(buf)
     return payload, keep

@@ -22,7 +22,9 @@ from rollgen.conformance.checks import (
 )
 from rollgen.errors import RefitError, StaleWeights
 from rollgen.output import generated_mask
+from rollgen.refit import device_uuid
 from rollgen.spec import Capability
+from rollgen.testing.trainer import free_port, start_trainer
 
 
 class RefitTests:
@@ -244,3 +246,53 @@ class RefitTests:
             assert not mixed, f"a generate during a refit mixed two weights: {results[0].tolist()}"
         finally:
             engine.refit(old, dtype=engine.engine_dtype)
+
+    def test_refit_collective(
+        self,
+        request: pytest.FixtureRequest,
+        engine: Any,
+        caps: frozenset[Capability],
+        references: Callable[[str, str], Any],
+        model_dir: str,
+        other_model_dir: str,
+        batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
+    ) -> None:
+        """A trainer in a process of its own joins a weight-sync group with every engine rank
+        and broadcasts the other weights (logprobs then agree with an HF reference of them),
+        then an update missing a tensor (rejected on both sides, nothing applied), then the
+        original weights (the original outputs exactly)."""
+        port = free_port()
+        skip_unless_declared(
+            Capability.REFIT_COLLECTIVE in caps,
+            "refit_collective",
+            lambda: engine.weight_sync_spec("127.0.0.1", port),
+        )
+        # the trainer on a GPU of its own over NCCL where there is one (NCCL takes one rank per
+        # GPU), else on CPU over gloo
+        free = [i for i in range(torch.cuda.device_count()) if device_uuid(i) not in engine.engine_devices]
+        backend, device = ("nccl", f"cuda:{free[0]}") if free else ("gloo", "cpu")
+        spec = engine.weight_sync_spec("127.0.0.1", port, backend=backend, timeout_s=120)
+        dtype = str(engine.engine_dtype).removeprefix("torch.")
+        updates = [(other_model_dir, None), (other_model_dir, "model.norm.weight"), (model_dir, None)]
+        trainer = start_trainer(spec, updates, dtype, device)
+        try:
+            engine.init_weight_sync(spec)
+            engine.update_weights_from_collective()
+            assert trainer.result() == "ok", "the trainer's first send failed"
+            out = engine.generate(batch, greedy=True)
+            stats = check_against_reference(references(other_model_dir, "float32"), out, batch, "float32")
+            for k, v in stats.items():
+                request.node.user_properties.append((f"after_collective_refit_{k}", v))
+            error = raises(RefitError, "an update missing a tensor", engine.update_weights_from_collective)
+            assert "model.norm.weight" in str(error) and not error.stale, str(error)
+            assert trainer.result().startswith("RefitError"), "the trainer's bad send did not raise"
+            unchanged = engine.generate(batch, greedy=True)
+            assert_same_tokens("after a rejected update", unchanged["output_ids"], out["output_ids"])
+            engine.update_weights_from_collective()
+            assert trainer.result() == "ok", "the trainer's last send failed"
+            assert trainer.wait() == 0
+        finally:
+            trainer.kill()
+        restored = engine.generate(batch, greedy=True)
+        assert_same_generation(request, "restored_over_the_group", restored, greedy_out)

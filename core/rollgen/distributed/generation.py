@@ -10,12 +10,13 @@ import dataclasses
 import logging
 import pickle
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import ray
+import torch
 
 from rollgen.base import BaseGeneration
 from rollgen.data import BatchedDataDict
@@ -23,7 +24,8 @@ from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec, running
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
 from rollgen.errors import ConfigError
-from rollgen.refit import WeightBucket, dtype_name
+from rollgen.refit import WeightBucket, WeightSpec, dtype_name
+from rollgen.weight_sync import SyncGroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +127,7 @@ class RayGeneration(BaseGeneration):
     #: Tokens of the engine's context it will not take as prompt: rollgen's ``max_model_len``
     #: (validation, clamping) is that much shorter than the context length the engine gets.
     reserved_context: ClassVar[int] = 0
+    engines_in_process: ClassVar[bool] = False
 
     def __init__(
         self, config: Mapping[str, Any], cluster: RayVirtualCluster | None = None, backend: Any = None
@@ -202,6 +205,33 @@ class RayGeneration(BaseGeneration):
         self.group.call_sharded(
             EngineWorker.apply_bucket, [pickle.dumps(bucket) for _ in range(self.dp_size)]
         )
+
+    @property
+    def engine_devices(self) -> tuple[str, ...]:
+        return tuple(uuid for info in self.engine_info for uuid in info["devices"])
+
+    @property
+    def weight_sync_ranks(self) -> int:
+        return self.dp_size * self.plan.spec.tensor_parallel_size
+
+    @property
+    def sync_device(self) -> torch.device:
+        return torch.device("cuda" if self.use_gpus else "cpu")
+
+    def _join_weight_sync(self, spec: SyncGroupSpec) -> Callable[[], None]:
+        tp = self.plan.spec.tensor_parallel_size
+        refs = self.group.submit(
+            EngineWorker.join_weight_sync, [(spec, 1 + i * tp) for i in range(self.dp_size)]
+        )
+
+        def joined() -> None:
+            self.group.get(refs)
+
+        return joined
+
+    def _receive_weights(self, spec: WeightSpec) -> Callable[[], bool]:
+        refs = self.group.submit(EngineWorker.receive_weights, [(spec,)] * self.dp_size)
+        return lambda: self.group.get(refs)[0]
 
     def _reset_prefix_cache(self) -> None:
         self.group.call_all(EngineWorker.reset_prefix_cache)

@@ -5,13 +5,14 @@ engine hooks (vLLM's and SGLang's workers subclass it)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -20,9 +21,11 @@ import torch
 
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.worker_groups import TiedGroup
+from rollgen.errors import RollgenError
 from rollgen.output import assemble_from_lists
-from rollgen.refit import WeightBucket
+from rollgen.refit import WeightBucket, WeightSpec
 from rollgen.sampling import SampleParams
+from rollgen.weight_sync import SyncGroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +134,12 @@ class EngineWorker(ABC):
         worker's process runs (``node``, ``pid``)."""
         import ray
 
-        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(), **self._describe()}
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "devices": self._devices() if self.spec.use_gpus else [],
+            **self._describe(),
+        }
 
     def generate(self, request: GenerateRequest) -> BatchedDataDict[Any]:
         """Generate for one shard; output in the contract's layout."""
@@ -144,6 +152,15 @@ class EngineWorker(ABC):
         """Load one pickled, validated ``WeightBucket`` (one pickle per worker: shared-memory
         handles open once per receiver)."""
         self._load_bucket(pickle.loads(data).resolve())
+
+    def join_weight_sync(self, spec: SyncGroupSpec, first_rank: int) -> None:
+        """Join a weight-sync group: this engine's TP rank r as ``first_rank + r``."""
+        self._join_weight_sync(spec, first_rank)
+
+    def receive_weights(self, spec: WeightSpec) -> bool:
+        """Receive one update over the weight-sync group on every rank (``weight_sync.receive``,
+        checked against ``spec``); whether it was partial."""
+        return self._receive_weights(spec)
 
     def reset_prefix_cache(self) -> None:
         self._reset_prefix_cache()
@@ -191,6 +208,19 @@ class EngineWorker(ABC):
     def _reset_prefix_cache(self) -> None:
         """Drop every cached prefix."""
 
+    def _devices(self) -> list[str]:
+        """UUIDs of the GPUs of this engine's ranks (CUDA IPC refits are checked against them
+        before anything is sent); empty where unknown."""
+        return []
+
+    def _join_weight_sync(self, spec: SyncGroupSpec, first_rank: int) -> None:
+        """Have every rank join the weight-sync group (for ``refit_collective``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no weight-sync group (refit_collective)")
+
+    def _receive_weights(self, spec: WeightSpec) -> bool:
+        """Have every rank ``weight_sync.receive`` one update (for ``refit_collective``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no weight-sync group (refit_collective)")
+
     def _clear_kv_cache(self) -> None:  # noqa: B027 - optional: engines that keep no stale KV need nothing
         """Zero the KV cache's contents."""
 
@@ -205,6 +235,36 @@ class EngineWorker(ABC):
     @abstractmethod
     def _stop(self) -> None:
         """Stop the engine and its processes."""
+
+
+@dataclass(frozen=True)
+class Raised:
+    """A rollgen error an engine's worker process returned instead of raising: engines wrap
+    what their workers raise in an untyped exception (vLLM's ``collective_rpc`` does)."""
+
+    error: RollgenError
+
+
+def returns_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``method`` (run in an engine's worker process) return its ``RollgenError`` as a
+    ``Raised``; ``reraise`` on the worker's side raises it as itself."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except RollgenError as exc:
+            return Raised(exc)
+
+    return call
+
+
+def reraise(results: list[Any]) -> list[Any]:
+    """``results`` of one call on every rank, raising the first rank's ``Raised`` error."""
+    for result in results:
+        if isinstance(result, Raised):
+            raise result.error
+    return results
 
 
 def descendants(pid: int) -> dict[int, str]:

@@ -93,7 +93,14 @@ class RayWorkerGroup:
 
     def call_all(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         """Call ``method`` on every leader and wait; typed errors come back as themselves."""
-        return self.get([getattr(w, method.__name__).remote(*args) for w in self.workers])
+        return self.get(self.submit(method, [args] * len(self.workers)))
+
+    def submit(self, method: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Start ``method`` on every leader, leader i with ``args[i]``; returns the refs for
+        ``get``."""
+        if len(args) != len(self.workers):
+            raise ValueError(f"{len(args)} argument tuples for {len(self.workers)} workers")
+        return [getattr(w, method.__name__).remote(*a) for w, a in zip(self.workers, args)]
 
     def call_sharded(self, method: Callable[..., Any], shards: Sequence[Sized]) -> list[Any]:
         """Leader i gets ``shards[i]``; empty shards are not sent. Results in shard order."""
@@ -113,13 +120,18 @@ class RayWorkerGroup:
         names = names or self.names
         pending = dict(zip(refs, names))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
-            if not done:
-                raise WorkerError(pending[next(iter(pending))], f"did not answer within {timeout_s} s")
-            for ref in done:
-                self._result(ref, pending.pop(ref))
+        try:
+            while pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+                if not done:
+                    raise WorkerError(pending[next(iter(pending))], f"did not answer within {timeout_s} s")
+                for ref in done:
+                    self._result(ref, pending.pop(ref))
+        except BaseException:
+            for ref in pending:  # their results, errors included, are taken when they come
+                ref.future().add_done_callback(lambda f: f.exception())
+            raise
         return [self._result(ref, name) for ref, name in zip(refs, names)]
 
     @staticmethod

@@ -14,7 +14,7 @@ from rollgen.base import BaseGeneration
 from rollgen.data import BatchedDataDict
 from rollgen.errors import ConfigError
 from rollgen.output import assemble_output
-from rollgen.refit import WeightBucket, WeightSpec, load_into_module
+from rollgen.refit import WeightBucket, WeightSpec, device_uuid, load_into_module
 from rollgen_hf.decode import decode
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,14 @@ class HfGeneration(BaseGeneration):
     @property
     def releases_memory_on_sleep(self) -> bool:
         return self.device.type == "cuda"
+
+    @property
+    def sync_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def engine_devices(self) -> tuple[str, ...]:
+        return (device_uuid(self.device),) if self.device.type == "cuda" else ()
 
     def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
         params = self.sample_params(batch, greedy)

@@ -16,6 +16,7 @@ CAPABILITIES = frozenset(
         Capability.PER_SAMPLE_SAMPLING,
         Capability.SLEEP_WAKE,
         Capability.REFIT_TENSORS,
+        Capability.REFIT_COLLECTIVE,
     }
 )
 

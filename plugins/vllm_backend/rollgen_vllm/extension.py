@@ -13,8 +13,10 @@ import time
 
 import torch
 
+from rollgen.distributed.worker import returns_errors
 from rollgen.errors import ConfigError
-from rollgen.refit import WeightBucket
+from rollgen.refit import WeightBucket, WeightSpec, device_uuid
+from rollgen.weight_sync import SyncGroup, SyncGroupSpec, receive
 from rollgen_vllm import logs
 from rollgen_vllm.load_plan import LoadPlans, LoadWay
 
@@ -27,6 +29,7 @@ EXTENSION = f"{__name__}.RollgenWorkerExtension"
 class RollgenWorkerExtension:
     """Methods reached through ``LLM.collective_rpc``; ``self`` is a vLLM worker."""
 
+    @returns_errors
     def rollgen_load_bucket(self, per_rank: list[bytes], replay: bool) -> None:
         """Load one pickled WeightBucket of HF-named full tensors (``per_rank[rank]``); each
         rank keeps its own shard."""
@@ -43,6 +46,23 @@ class RollgenWorkerExtension:
             (time.perf_counter() - mapped) * 1e3,
         )
 
+    @returns_errors
+    def rollgen_join_weight_sync(self, spec: SyncGroupSpec, first_rank: int) -> None:
+        """Join the weight-sync group as rank ``first_rank`` + this worker's rank."""
+        self.rollgen_sync = SyncGroup(spec, first_rank + getattr(self, "rank", 0), self.rollgen_device())
+
+    @returns_errors
+    def rollgen_receive_weights(self, spec: WeightSpec, replay: bool) -> bool:
+        """Receive one update over the weight-sync group (``weight_sync.receive``)."""
+        return receive(self.rollgen_sync, spec, lambda named: self.rollgen_load(named, replay))
+
+    def rollgen_device(self) -> torch.device:
+        return self.device if torch.cuda.is_available() else torch.device("cpu")
+
+    def rollgen_device_uuid(self) -> str:
+        """This rank's GPU (CUDA IPC payloads are keyed by it)."""
+        return device_uuid(self.device)
+
     def rollgen_clear_kv_cache(self) -> None:
         """Zero this rank's KV cache: after non-finite weights, cached keys and values stay NaN
         and leak into later attention (masked slots still multiply NaN by zero)."""
@@ -53,7 +73,7 @@ class RollgenWorkerExtension:
     def rollgen_unpack(self, per_rank: list[bytes]) -> list[tuple[str, torch.Tensor]]:
         """This rank's bucket as named tensors (CUDA IPC: mapped on this worker's GPU)."""
         bucket: WeightBucket = pickle.loads(per_rank[getattr(self, "rank", 0)])
-        return bucket.unpack(self.device if torch.cuda.is_available() else None)
+        return bucket.unpack(self.rollgen_device())
 
     def rollgen_load(self, named: list[tuple[str, torch.Tensor]], replay: bool) -> LoadWay:
         """Copy ``named`` into the live parameters (each rank its shard); how it was loaded."""

@@ -17,6 +17,7 @@ CAPABILITIES = frozenset(
         Capability.PER_SAMPLE_SAMPLING,
         Capability.SLEEP_WAKE,
         Capability.REFIT_TENSORS,
+        Capability.REFIT_COLLECTIVE,
         Capability.REFIT_IPC,
         Capability.TENSOR_PARALLEL,
         Capability.DATA_PARALLEL,

@@ -7,13 +7,14 @@ import gc
 import logging
 import os
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from rollgen.distributed.worker import EngineWorker, WorkerSpec
+from rollgen.distributed.worker import EngineWorker, WorkerSpec, reraise
 from rollgen.errors import RollgenError
-from rollgen.refit import WeightBucket
+from rollgen.refit import WeightBucket, WeightSpec
 from rollgen.sampling import SampleParams
+from rollgen.weight_sync import SyncGroupSpec
 from rollgen_vllm import logs
 from rollgen_vllm.extension import EXTENSION, RollgenWorkerExtension
 
@@ -146,12 +147,27 @@ class VllmWorker(EngineWorker):
             return list(lps.logprobs)
         return [pos[t].logprob for pos, t in zip(lps, completion.token_ids)]
 
+    def _rpc(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        """``method`` of the worker extension on every TP rank; its rollgen errors raised here
+        as themselves."""
+        return reraise(self.llm.collective_rpc(method.__name__, args=args))
+
     def _load_bucket(self, bucket: WeightBucket) -> None:
         # one pickle per TP rank: shared-memory handles open once each
         per_rank = [pickle.dumps(bucket) for _ in range(self.spec.tensor_parallel_size)]
-        self.llm.collective_rpc(
-            RollgenWorkerExtension.rollgen_load_bucket.__name__,
-            args=(per_rank, self.spec.engine["replay_refit"]),
+        self._rpc(RollgenWorkerExtension.rollgen_load_bucket, per_rank, self.spec.engine["replay_refit"])
+
+    def _devices(self) -> list[str]:
+        return self._rpc(RollgenWorkerExtension.rollgen_device_uuid)
+
+    def _join_weight_sync(self, spec: SyncGroupSpec, first_rank: int) -> None:
+        self._rpc(RollgenWorkerExtension.rollgen_join_weight_sync, spec, first_rank)
+
+    def _receive_weights(self, spec: WeightSpec) -> bool:
+        return bool(
+            self._rpc(RollgenWorkerExtension.rollgen_receive_weights, spec, self.spec.engine["replay_refit"])[
+                0
+            ]
         )
 
     def collective_rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -162,7 +178,7 @@ class VllmWorker(EngineWorker):
         self.llm.reset_prefix_cache()
 
     def _clear_kv_cache(self) -> None:
-        self.llm.collective_rpc(RollgenWorkerExtension.rollgen_clear_kv_cache.__name__)
+        self._rpc(RollgenWorkerExtension.rollgen_clear_kv_cache)
 
     def _release_memory(self) -> None:
         # vLLM's workers free their own memory; this actor holds none of it

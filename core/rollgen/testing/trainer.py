@@ -1,0 +1,84 @@
+"""A trainer in a process of its own, for tests of refit over a weight-sync group:
+``python -m rollgen.testing.trainer SPEC_JSON UPDATES_JSON DTYPE DEVICE`` joins the group as its
+sender (its tensors on DEVICE: ``cpu`` or ``cuda:N``) and broadcasts each update in turn,
+printing "ok" or the RefitError's first line after each."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from rollgen.errors import RefitError
+from rollgen.testing.reference import load_reference_model
+from rollgen.weight_sync import SyncGroupSpec, WeightSender
+
+#: An update: the weights of a model folder, less the tensor named second (None: complete).
+Update = tuple[str, str | None]
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Trainer:
+    """The trainer process of ``start_trainer``."""
+
+    def __init__(self, spec: SyncGroupSpec, updates: Sequence[Update], dtype: str, device: str) -> None:
+        args = [json.dumps(dataclasses.asdict(spec)), json.dumps(list(updates)), dtype, device]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__, *args], stdout=subprocess.PIPE, text=True, bufsize=1
+        )
+
+    def result(self) -> str:
+        """What the next update gave: "ok" or "RefitError: ..." ("" if the process ended)."""
+        assert self.process.stdout is not None  # a pipe: set in __init__
+        return self.process.stdout.readline().strip()
+
+    def wait(self, timeout_s: float = 60.0) -> int:
+        return self.process.wait(timeout_s)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def start_trainer(spec: SyncGroupSpec, updates: Sequence[Update], dtype: str, device: str = "cpu") -> Trainer:
+    """A trainer process that joins ``spec`` as its sender and sends ``updates`` in turn, from
+    ``device``."""
+    return Trainer(spec, updates, dtype, device)
+
+
+def send_updates(
+    spec: SyncGroupSpec, updates: Sequence[Update], dtype: torch.dtype, device: torch.device
+) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    sender = WeightSender(spec, device)
+    for model_dir, drop in updates:
+        state = dict(load_reference_model(model_dir, torch.float32).to(device).state_dict())
+        state.pop(drop or "", None)
+        try:
+            sender.send(state, dtype=dtype, bucket_bytes=64 << 10)
+            print("ok", flush=True)
+        except RefitError as exc:
+            print(f"RefitError: {str(exc).splitlines()[0]}", flush=True)
+    sender.close()
+
+
+if __name__ == "__main__":
+    spec_json, updates_json, dtype_name, device_name = sys.argv[1:5]
+    send_updates(
+        SyncGroupSpec(**json.loads(spec_json)),
+        [tuple(u) for u in json.loads(updates_json)],
+        getattr(torch, dtype_name),
+        torch.device(device_name),
+    )

@@ -1,0 +1,270 @@
+"""Weight-sync groups: a refit broadcast from the trainer's sending rank to every engine rank.
+
+A group is a process group of rollgen's own (not the trainer's default group, not the
+engine's), built from a TCP store at the address and port the trainer gives: gloo on CPU,
+NCCL on CUDA. The trainer's sending rank is rank 0 and hosts the store (``WeightSender``);
+engine ranks are 1..N (every tensor-parallel rank of every data-parallel replica).
+
+One update runs in three steps, on every rank at once:
+1. the sender broadcasts a manifest: each bucket's tensor names, shapes, dtypes and offsets,
+   whether the update is partial, and the sender's own rejection (NaN or infinite values);
+2. every engine rank checks the manifest against the served model; if one rejects it, all
+   ranks (the sender too) raise its ``RefitError`` and nothing was applied;
+3. the sender broadcasts each bucket as one flat buffer (packing the next while the last is
+   on the wire); each engine rank receives the next while it loads the last. A rank that fails
+   to load keeps receiving (the broadcast needs every rank) and its error, marked ``stale``,
+   reaches every rank at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from rollgen.errors import RefitError, RollgenError
+from rollgen.refit import (
+    TensorMeta,
+    WeightSpec,
+    bucket_groups,
+    check_against_spec,
+    check_bucket_bytes,
+    check_source,
+    dtype_name,
+    flat_offsets,
+    flatten,
+    named_tensors,
+    nonfinite,
+    unflatten,
+)
+
+logger = logging.getLogger(__name__)
+
+SyncBackend = Literal["gloo", "nccl"]
+Bucket = tuple[tuple[TensorMeta, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class SyncGroupSpec:
+    """Where a weight-sync group meets: the sender (rank 0) hosts a TCP store at
+    ``address:port``; ``world_size`` is 1 + the engine ranks."""
+
+    address: str
+    port: int
+    world_size: int
+    backend: SyncBackend = "gloo"
+    #: How long a rank waits for the others (to join, or during a broadcast).
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise RefitError(f"weight-sync backend {self.backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
+        if self.world_size < 2:
+            raise RefitError(
+                f"a weight-sync group has a sender and at least one engine rank, got {self.world_size}"
+            )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What the sender broadcasts before any weight (step 1)."""
+
+    buckets: tuple[Bucket, ...]
+    partial: bool
+    #: The sender's rejection of its own source; every rank raises it.
+    error: RefitError | None = None
+
+
+class SyncGroup:
+    """One rank's end of a weight-sync group (joining blocks until every rank has joined)."""
+
+    def __init__(self, spec: SyncGroupSpec, rank: int, device: torch.device | None = None) -> None:
+        self.spec, self.rank = spec, rank
+        timeout = timedelta(seconds=spec.timeout_s)
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if spec.backend == "nccl"
+                else torch.device("cpu")
+            )
+        self.device = device
+        self._store = dist.TCPStore(
+            spec.address,
+            spec.port,
+            spec.world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        store = dist.PrefixStore("rollgen-weight-sync", self._store)
+        if spec.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.pg: Any = dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)
+        # a first collective: every rank has joined when the constructor returns
+        self.highest(0)
+        logger.debug("weight-sync rank %d of %d joined (%s)", rank, spec.world_size, spec.backend)
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0) -> Any:
+        """Start a broadcast of ``tensor`` from ``root``; returns its work handle."""
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        return self.pg.broadcast([tensor], options)
+
+    def highest(self, value: int) -> int:
+        """The highest ``value`` any rank passes."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+        self.pg.allreduce([t], options).wait()
+        return int(t.item())
+
+    def share(self, data: bytes | None, root: int) -> bytes:
+        """``root``'s ``data`` on every rank."""
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
+        self.broadcast(size, root).wait()
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        if data is not None:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.broadcast(buf, root).wait()
+        return buf.cpu().numpy().tobytes()
+
+    def settle(self, error: RollgenError | None) -> None:
+        """Every rank raises the error of the lowest rank that has one (none: return)."""
+        worst = self.highest(self.spec.world_size - self.rank if error is not None else 0)
+        if worst:
+            root = self.spec.world_size - worst
+            raise pickle.loads(self.share(pickle.dumps(error) if root == self.rank else None, root))
+
+
+class WeightSender:
+    """The trainer's end of a weight-sync group: rank 0, the broadcasts' root. Construct it in
+    the trainer's sending process while the generation's ``init_weight_sync`` runs (either may
+    come first; both return once every rank has joined)."""
+
+    def __init__(self, spec: SyncGroupSpec, device: torch.device | None = None) -> None:
+        self.group = SyncGroup(spec, 0, device)
+
+    def send(
+        self,
+        source: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        bucket_bytes: int | None = None,
+        dtype: torch.dtype | None = None,
+        partial: bool = False,
+        check_finite: bool = True,
+    ) -> None:
+        """Broadcast ``source`` (a module or a state dict) to every engine rank, while the
+        generation's ``update_weights_from_collective`` receives it. Arguments as ``refit``'s.
+        RefitError if the source or the engines reject it (nothing applied), or if an engine
+        failed while applying it (``stale``: the generation refuses to generate until a
+        complete refit)."""
+        check_source(source)
+        check_bucket_bytes(bucket_bytes)
+        groups = list(bucket_groups(source, bucket_bytes, dtype))
+        buckets = tuple(_layout(g, dtype) for g in groups)
+        error = _nonfinite_error(source, dtype) if check_finite else None
+        self.group.share(pickle.dumps(Manifest(buckets, partial, error)), root=0)
+        if error is not None:
+            raise error
+        self.group.settle(None)  # the engines' checks of the manifest
+        in_flight: deque[tuple[Any, torch.Tensor]] = deque()
+        for group, (metas, offsets) in zip(groups, buckets):
+            # the copy into the flat buffer casts
+            buf = flatten([t for _, t in group], metas, offsets, self.group.device)
+            in_flight.append((self.group.broadcast(buf), buf))
+            if len(in_flight) > 1:  # at most two buckets beyond the model
+                _finish(*in_flight.popleft())
+        while in_flight:
+            _finish(*in_flight.popleft())
+        self.group.settle(None)  # the engines' loads
+
+    def close(self) -> None:
+        """Leave the group (the engines' ends go with their generation)."""
+        del self.group
+
+
+def receive(
+    group: SyncGroup, spec: WeightSpec, load: Callable[[list[tuple[str, torch.Tensor]]], None]
+) -> bool:
+    """An engine rank's part of one update: check the manifest against ``spec``, then receive
+    each bucket and ``load`` its named tensors. Returns whether the update was partial."""
+    manifest: Manifest = pickle.loads(group.share(None, root=0))
+    if manifest.error is not None:
+        raise manifest.error
+    rejection = None
+    try:
+        check_against_spec((m for metas, _ in manifest.buckets for m in metas), spec, manifest.partial)
+    except RefitError as exc:
+        rejection = exc
+    group.settle(rejection)
+
+    def post(bucket: Bucket) -> tuple[Any, torch.Tensor]:
+        buf = torch.empty(bucket[1][-1], dtype=torch.uint8, device=group.device)
+        return group.broadcast(buf), buf
+
+    failure: RollgenError | None = None
+    buckets = manifest.buckets
+    incoming = [post(buckets[0])] if buckets else []
+    for i, (metas, offsets) in enumerate(buckets):
+        work, buf = incoming.pop()
+        work.wait()
+        if i + 1 < len(buckets):
+            incoming.append(post(buckets[i + 1]))
+        if failure is not None:
+            continue  # keep receiving: the sender's broadcasts need every rank
+        try:
+            load([(m.name, t) for m, t in zip(metas, unflatten(buf, metas, offsets))])
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank below, as a RefitError
+            logger.exception("weight-sync rank %d: loading bucket %d failed", group.rank, i + 1)
+            failure = RefitError(
+                f"engine rank {group.rank} failed to load bucket {i + 1} of {len(manifest.buckets)} "
+                f"({type(exc).__name__}: {exc}); replicas may now hold different weights",
+                stale=True,
+            )
+    group.settle(failure)
+    return manifest.partial
+
+
+def _layout(group: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Bucket:
+    metas = tuple(TensorMeta(n, tuple(t.shape), dtype_name(dtype or t.dtype)) for n, t in group)
+    return metas, flat_offsets(m.nbytes for m in metas)
+
+
+def _nonfinite_error(
+    source: torch.nn.Module | Mapping[str, torch.Tensor], dtype: torch.dtype | None
+) -> RefitError | None:
+    """The source's tensors holding NaN or infinite values (also after a cast to ``dtype``
+    narrower than theirs)."""
+    named = list(named_tensors(source))
+    bad = nonfinite(named)
+    if dtype is not None and dtype.is_floating_point:
+        limit = torch.finfo(dtype).max
+        bad += [
+            n
+            for n, t in named
+            if n not in bad and t.is_floating_point() and t.numel() and t.abs().max().item() > limit
+        ]
+    if not bad:
+        return None
+    return RefitError(
+        f"weight update rejected: {len(bad)} tensor(s) hold NaN or infinite values (or overflow the "
+        "cast); nothing of them was applied (check the trainer's step; check_finite=False skips this)",
+        bad,
+    )
+
+
+def _finish(work: Any, buf: torch.Tensor) -> None:
+    """Wait for a broadcast to leave this process (the buffer may then be freed)."""
+    work.wait()
+    if buf.is_cuda:
+        torch.cuda.current_stream(buf.device).synchronize()

@@ -1,0 +1,134 @@
+"""The weight-sync protocol on gloo, with the sender and the engine ranks as threads of this
+process (each its own rank of one real process group): what arrives, what is refused before
+any byte is applied, and a load that fails on one rank reaching every rank."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from rollgen.errors import RefitError
+from rollgen.refit import WeightSpec
+from rollgen.testing.trainer import free_port
+from rollgen.weight_sync import SyncGroup, SyncGroupSpec, WeightSender, receive
+
+
+def source() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=g),
+        "model.layers.0.self_attn.k_proj.weight": torch.randn(8, 8, generator=g),
+        "model.norm.weight": torch.randn(8, generator=g),
+        "lm_head.weight": torch.randn(16, 8, generator=g),
+    }
+
+
+def spec_of(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> WeightSpec:
+    return WeightSpec(
+        {n: (tuple(t.shape), str(dtype or t.dtype).removeprefix("torch.")) for n, t in state.items()}
+    )
+
+
+def run_update(
+    send: Callable[[WeightSender], None],
+    spec: WeightSpec,
+    engines: int = 2,
+    fail_on: tuple[int, int] | None = None,
+) -> tuple[BaseException | None, list[Any]]:
+    """One update: ``send`` on rank 0 here, ``receive`` on ranks 1..engines in threads (rank
+    ``fail_on[0]`` fails loading bucket ``fail_on[1]``). The sender's error, and each engine
+    rank's result: (partial, loaded names) or its error."""
+    group_spec = SyncGroupSpec("127.0.0.1", free_port(), 1 + engines, "gloo", timeout_s=60)
+    results: list[Any] = [None] * engines
+
+    def engine(rank: int) -> None:
+        loaded: list[str] = []
+
+        def load(named: list[tuple[str, torch.Tensor]]) -> None:
+            if fail_on is not None and (rank, len(loaded)) == fail_on:
+                raise RuntimeError("disk on fire")
+            loaded.append(named)  # type: ignore[arg-type]
+
+        try:
+            group = SyncGroup(group_spec, rank)
+            results[rank - 1] = (receive(group, spec, load), loaded)
+        except RefitError as exc:
+            results[rank - 1] = exc
+
+    threads = [threading.Thread(target=engine, args=(r,)) for r in range(1, engines + 1)]
+    for t in threads:
+        t.start()
+    sender = WeightSender(group_spec)
+    error = None
+    try:
+        send(sender)
+    except RefitError as exc:
+        error = exc
+    for t in threads:
+        t.join(60)
+    return error, results
+
+
+def test_every_engine_rank_receives_every_tensor_exactly_in_bounded_buckets() -> None:
+    state = source()
+    error, results = run_update(lambda s: s.send(state, bucket_bytes=300), spec_of(state))
+    assert error is None
+    for partial, buckets in results:
+        assert partial is False
+        got = {n: t for bucket in buckets for n, t in bucket}
+        assert list(got) == list(state) and all(torch.equal(got[n], state[n]) for n in state)
+        assert len(buckets) == 3, "q/k of one attention block travel together; norm and head apart"
+
+
+def test_a_cast_on_the_way_and_a_partial_update() -> None:
+    state = source()
+    norm = {"model.norm.weight": state["model.norm.weight"]}
+    spec = spec_of(state, torch.bfloat16)
+    error, results = run_update(lambda s: s.send(norm, dtype=torch.bfloat16, partial=True), spec)
+    assert error is None
+    for partial, buckets in results:
+        ((name, tensor),) = buckets[0]
+        assert partial and name == "model.norm.weight" and tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, state[name].to(torch.bfloat16))
+
+
+def test_a_mismatch_is_refused_on_every_rank_before_any_byte_is_loaded() -> None:
+    state = source()
+    bad = {**state, "lm_head.weight": torch.zeros(3, 8)}
+    error, results = run_update(lambda s: s.send(bad), spec_of(state))
+    assert isinstance(error, RefitError) and "lm_head.weight: shape [3, 8]" in str(error)
+    assert all(isinstance(r, RefitError) and not r.stale and r.problems == error.problems for r in results)
+
+
+def test_nan_in_the_source_is_refused_by_the_sender_and_every_engine_rank() -> None:
+    state = source()
+    state["model.norm.weight"][2] = float("nan")
+    error, results = run_update(lambda s: s.send(state), spec_of(state))
+    assert isinstance(error, RefitError) and error.problems == ["model.norm.weight"]
+    assert all(isinstance(r, RefitError) and r.problems == ["model.norm.weight"] for r in results)
+
+
+def test_a_cast_that_overflows_is_refused() -> None:
+    state = source()
+    state["model.norm.weight"][0] = 1e6
+    error, _ = run_update(lambda s: s.send(state, dtype=torch.float16), spec_of(state, torch.float16))
+    assert isinstance(error, RefitError) and error.problems == ["model.norm.weight"]
+
+
+def test_a_load_that_fails_on_one_rank_is_a_stale_refit_error_on_every_rank() -> None:
+    state = source()
+    error, results = run_update(lambda s: s.send(state, bucket_bytes=300), spec_of(state), fail_on=(2, 1))
+    assert isinstance(error, RefitError) and error.stale
+    assert "engine rank 2 failed to load bucket 2 of 3 (RuntimeError: disk on fire)" in str(error)
+    assert all(isinstance(r, RefitError) and r.stale and str(r) == str(error) for r in results)
+
+
+def test_a_bad_spec_is_a_refit_error() -> None:
+    with pytest.raises(RefitError, match="use 'gloo'"):
+        SyncGroupSpec("127.0.0.1", 1, 2, "mpi")  # type: ignore[arg-type]
+    with pytest.raises(RefitError, match="at least one engine rank"):
+        SyncGroupSpec("127.0.0.1", 1, 1)
