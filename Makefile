@@ -18,8 +18,8 @@ demo: venv
 test: venv lint test-unit test-conformance
 
 lint:
-	$(VENV)/bin/ruff check core plugins tests benchmarks
-	$(VENV)/bin/ruff format --check core plugins tests benchmarks
+	$(VENV)/bin/ruff check core plugins tests benchmarks examples
+	$(VENV)/bin/ruff format --check core plugins tests benchmarks examples
 	$(PY) -m mypy core/rollgen benchmarks
 
 test-unit:

@@ -50,7 +50,6 @@ from rollgen.data import BatchedDataDict
 from rollgen.distributed import GenerateRequest, WorkerSpec
 from rollgen.refit import device_uuid
 from rollgen.sampling import SampleParams
-from rollgen.testing.trainer import free_port
 from rollgen_vllm.worker import engine_kwargs, sampling_params
 
 #: Ray GPU share of one engine in the single-GPU part (rollgen's and the raw actor fit on one GPU).
@@ -261,7 +260,7 @@ def collective_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     engine = engine_device(gen)
     mine = next(i for i in range(torch.cuda.device_count()) if i != engine.index)
     torch.cuda.set_device(mine)
-    gen.init_weight_sync(gen.weight_sync_spec("127.0.0.1", free_port()), local_sender=True)
+    gen.init_weight_sync(gen.weight_sync_spec("127.0.0.1"), local_sender=True)
     state = refit.random_state(gen.weight_spec, torch.device("cuda", mine))
     refits = refit.measure(gen, state, args.bucket_mib, args.repeats)
     nbytes = int(refits[0]["gb"] * 1e9)

@@ -149,14 +149,13 @@ def test_nccl_refit_from_a_trainer_on_another_gpu(hf_config: dict, batch: dict) 
     """vLLM TP=1 on one GPU, the trainer (this process) on the other: a weight-sync group over
     NCCL, and refit() broadcasts; logprobs follow the new weights; refitting back restores."""
     from rollgen.refit import device_uuid
-    from rollgen.testing.trainer import free_port
 
     with rollgen.create_generation(config(hf_config)) as gen:
         base = gen.generate(batch, greedy=True)
         (engine_gpu,) = gen.engine_devices
         mine = next(i for i in range(torch.cuda.device_count()) if device_uuid(i) != engine_gpu)
         torch.cuda.set_device(mine)
-        spec = gen.weight_sync_spec("127.0.0.1", free_port(), timeout_s=120)
+        spec = gen.weight_sync_spec("127.0.0.1", timeout_s=120)
         assert spec.backend == "nccl"
         gen.init_weight_sync(spec, local_sender=True)
         new = load_reference_model(tiny_model_dir(trained=False), torch.bfloat16).cuda(mine)

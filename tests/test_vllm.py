@@ -179,7 +179,7 @@ def test_a_collective_update_that_fails_on_one_replica_makes_the_whole_generatio
     (the replicas hold different weights), and the next complete update restores the outputs."""
     from rollgen import RefitError, StaleWeights
     from rollgen.testing.tiny_model import tiny_model_dir
-    from rollgen.testing.trainer import free_port, start_trainer
+    from rollgen.testing.trainer import start_trainer
 
     cfg = {
         **vllm_config,
@@ -188,10 +188,10 @@ def test_a_collective_update_that_fails_on_one_replica_makes_the_whole_generatio
     }
     with rollgen.create_generation(cfg) as gen:
         before = gen.generate(batch, greedy=True)
-        spec = gen.weight_sync_spec("127.0.0.1", free_port(), timeout_s=120)
+        spec = gen.weight_sync_spec("127.0.0.1", timeout_s=120)
         trainer = start_trainer(spec, [(tiny_model_dir(trained=False), None), (model_dir, None)], "float32")
         try:
-            gen.init_weight_sync(spec)
+            gen.init_weight_sync(trainer.spec)
             with pytest.raises(RefitError, match="engine rank 2 failed to load bucket 2") as failed:
                 gen.update_weights_from_collective()
             assert failed.value.stale

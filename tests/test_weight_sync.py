@@ -13,7 +13,6 @@ import torch
 
 from rollgen.errors import RefitError
 from rollgen.refit import WeightSpec
-from rollgen.testing.trainer import free_port
 from rollgen.weight_sync import SyncGroup, SyncGroupSpec, WeightSender, receive
 
 
@@ -42,7 +41,7 @@ def run_update(
     """One update: ``send`` on rank 0 here, ``receive`` on ranks 1..engines in threads (rank
     ``fail_on[0]`` fails loading bucket ``fail_on[1]``). The sender's error, and each engine
     rank's result: (partial, loaded names) or its error."""
-    group_spec = SyncGroupSpec("127.0.0.1", free_port(), 1 + engines, "gloo", timeout_s=60)
+    sender = WeightSender(SyncGroupSpec("127.0.0.1", 0, 1 + engines, "gloo", timeout_s=60))
     results: list[Any] = [None] * engines
 
     def engine(rank: int) -> None:
@@ -54,7 +53,7 @@ def run_update(
             loaded.append(named)  # type: ignore[arg-type]
 
         try:
-            group = SyncGroup(group_spec, rank)
+            group = SyncGroup(sender.spec, rank)
             results[rank - 1] = (receive(group, spec, load), loaded)
         except RefitError as exc:
             results[rank - 1] = exc
@@ -62,7 +61,6 @@ def run_update(
     threads = [threading.Thread(target=engine, args=(r,)) for r in range(1, engines + 1)]
     for t in threads:
         t.start()
-    sender = WeightSender(group_spec)
     error = None
     try:
         send(sender)

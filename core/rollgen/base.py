@@ -435,12 +435,13 @@ class BaseGeneration(ABC):
         return torch.device("cpu")
 
     def weight_sync_spec(
-        self, address: str, port: int, *, backend: SyncBackend | None = None, timeout_s: float = 600.0
+        self, address: str, port: int = 0, *, backend: SyncBackend | None = None, timeout_s: float = 600.0
     ) -> SyncGroupSpec:
         """The spec of a weight-sync group for these engines: the trainer's sending rank (rank
-        0) hosts its TCP store at ``address:port``; every engine rank joins (``backend`` None:
-        NCCL if the engines run on GPUs, else gloo). Give it to ``init_weight_sync`` here and to
-        ``rollgen.WeightSender`` in the trainer's sending process."""
+        0) hosts its TCP store at ``address:port`` (port 0: a free port, which the sender's
+        ``spec`` then carries); every engine rank joins (``backend`` None: NCCL if the engines
+        run on GPUs, else gloo). Give it to ``rollgen.WeightSender`` in the trainer's sending
+        process, and the sender's ``spec`` to ``init_weight_sync`` here."""
         self.require(Capability.REFIT_COLLECTIVE, "a weight-sync group")
         if backend is None:
             backend = "nccl" if self.sync_device.type == "cuda" else "gloo"
@@ -448,10 +449,12 @@ class BaseGeneration(ABC):
 
     @serialised
     def init_weight_sync(self, spec: SyncGroupSpec, *, local_sender: bool = False) -> None:
-        """Have every engine rank join the weight-sync group of ``spec`` (``weight_sync_spec``)
-        while the trainer's sending process joins with ``rollgen.WeightSender(spec)``; returns
-        once all have. ``local_sender``: this process is the sender, and ``refit`` broadcasts.
-        Then each ``WeightSender.send`` pairs with an ``update_weights_from_collective`` here."""
+        """Have every engine rank join the weight-sync group of ``spec`` while the trainer's
+        sending process joins it (``sender = rollgen.WeightSender(spec)`` there, made from
+        ``weight_sync_spec``; pass ``sender.spec`` here, which has the port it listens on, and
+        call ``sender.connect()`` there); returns once all have joined. ``local_sender``: this
+        process is the sender (``spec.port`` 0: a free port), and ``refit`` broadcasts. Then
+        each ``WeightSender.send`` pairs with an ``update_weights_from_collective`` here."""
         self._check_open()
         self.require(Capability.REFIT_COLLECTIVE, "init_weight_sync")
         if self.weight_sync is not None:
@@ -466,8 +469,13 @@ class BaseGeneration(ABC):
                 f"{self.name} runs its engine in this process: refit() here copies the weights directly; "
                 "a weight-sync group is for a trainer in another process (local_sender=False)"
             )
+        sender = None
+        if local_sender:
+            sender = WeightSender(spec)  # hosts the group's store (port 0: a free one) at once
+            spec = sender.spec
         joined = self._join_weight_sync(spec)
-        sender = WeightSender(spec) if local_sender else None
+        if sender is not None:
+            sender.connect()
         joined()
         self.weight_sync, self._sender = spec, sender
 

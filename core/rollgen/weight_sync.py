@@ -18,6 +18,7 @@ One update runs in three steps, on every rank at once:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 from collections import deque
@@ -83,33 +84,31 @@ class Manifest:
 
 
 class SyncGroup:
-    """One rank's end of a weight-sync group (joining blocks until every rank has joined)."""
+    """One rank's end of a weight-sync group (joining blocks until every rank has joined). The
+    sender passes the store it hosts; the other ranks connect to it."""
 
-    def __init__(self, spec: SyncGroupSpec, rank: int, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        spec: SyncGroupSpec,
+        rank: int,
+        device: torch.device | None = None,
+        store: dist.TCPStore | None = None,
+    ) -> None:
         self.spec, self.rank = spec, rank
         timeout = timedelta(seconds=spec.timeout_s)
-        if device is None:
-            device = (
-                torch.device("cuda", torch.cuda.current_device())
-                if spec.backend == "nccl"
-                else torch.device("cpu")
-            )
+        if spec.backend == "gloo":
+            device = torch.device("cpu")
+        elif device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self._store = dist.TCPStore(
-            spec.address,
-            spec.port,
-            spec.world_size,
-            is_master=rank == 0,
-            timeout=timeout,
-            wait_for_workers=False,
-        )
-        store = dist.PrefixStore("rollgen-weight-sync", self._store)
+        self._store = store or open_store(spec, host=False)
+        prefixed = dist.PrefixStore("rollgen-weight-sync", self._store)
         if spec.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self.pg: Any = dist.ProcessGroupNCCL(store, rank, spec.world_size, options)
+            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
         else:
-            self.pg = dist.ProcessGroupGloo(store, rank, spec.world_size, timeout)
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
         # a first collective: every rank has joined when the constructor returns
         self.highest(0)
         logger.debug("weight-sync rank %d of %d joined (%s)", rank, spec.world_size, spec.backend)
@@ -146,13 +145,40 @@ class SyncGroup:
             raise pickle.loads(self.share(pickle.dumps(error) if root == self.rank else None, root))
 
 
+def open_store(spec: SyncGroupSpec, host: bool) -> dist.TCPStore:
+    """The group's TCP store: hosted here (``host``; port 0: a free one), or connected to."""
+    return dist.TCPStore(
+        spec.address,
+        spec.port,
+        spec.world_size,
+        is_master=host,
+        timeout=timedelta(seconds=spec.timeout_s),
+        wait_for_workers=False,
+    )
+
+
 class WeightSender:
-    """The trainer's end of a weight-sync group: rank 0, the broadcasts' root. Construct it in
-    the trainer's sending process while the generation's ``init_weight_sync`` runs (either may
-    come first; both return once every rank has joined)."""
+    """The trainer's end of a weight-sync group: rank 0, the broadcasts' root. It hosts the
+    group's TCP store at once (``spec.port`` 0: a free port); ``self.spec`` is the spec with
+    the port, for the generation's ``init_weight_sync``. ``connect()`` (or the first ``send``)
+    joins the group while ``init_weight_sync`` runs; both return once every rank has joined."""
 
     def __init__(self, spec: SyncGroupSpec, device: torch.device | None = None) -> None:
-        self.group = SyncGroup(spec, 0, device)
+        self._store = open_store(spec, host=True)
+        self.spec = dataclasses.replace(spec, port=self._store.port)
+        self._device = device
+        self._group: SyncGroup | None = None
+
+    def connect(self) -> None:
+        """Join the group (returns once every engine rank has joined)."""
+        if self._group is None:
+            self._group = SyncGroup(self.spec, 0, self._device, store=self._store)
+
+    @property
+    def group(self) -> SyncGroup:
+        self.connect()
+        assert self._group is not None  # set by connect
+        return self._group
 
     def send(
         self,
@@ -190,7 +216,7 @@ class WeightSender:
 
     def close(self) -> None:
         """Leave the group (the engines' ends go with their generation)."""
-        del self.group
+        self._group = None
 
 
 def receive(

@@ -24,7 +24,7 @@ from rollgen.errors import RefitError, StaleWeights
 from rollgen.output import generated_mask
 from rollgen.refit import device_uuid
 from rollgen.spec import Capability
-from rollgen.testing.trainer import free_port, start_trainer
+from rollgen.testing.trainer import start_trainer
 
 
 class RefitTests:
@@ -262,22 +262,21 @@ class RefitTests:
         and broadcasts the other weights (logprobs then agree with an HF reference of them),
         then an update missing a tensor (rejected on both sides, nothing applied), then the
         original weights (the original outputs exactly)."""
-        port = free_port()
         skip_unless_declared(
             Capability.REFIT_COLLECTIVE in caps,
             "refit_collective",
-            lambda: engine.weight_sync_spec("127.0.0.1", port),
+            lambda: engine.weight_sync_spec("127.0.0.1"),
         )
         # the trainer on a GPU of its own over NCCL where there is one (NCCL takes one rank per
         # GPU), else on CPU over gloo
         free = [i for i in range(torch.cuda.device_count()) if device_uuid(i) not in engine.engine_devices]
         backend, device = ("nccl", f"cuda:{free[0]}") if free else ("gloo", "cpu")
-        spec = engine.weight_sync_spec("127.0.0.1", port, backend=backend, timeout_s=120)
+        spec = engine.weight_sync_spec("127.0.0.1", backend=backend, timeout_s=120)
         dtype = str(engine.engine_dtype).removeprefix("torch.")
         updates = [(other_model_dir, None), (other_model_dir, "model.norm.weight"), (model_dir, None)]
         trainer = start_trainer(spec, updates, dtype, device)
         try:
-            engine.init_weight_sync(spec)
+            engine.init_weight_sync(trainer.spec)
             engine.update_weights_from_collective()
             assert trainer.result() == "ok", "the trainer's first send failed"
             out = engine.generate(batch, greedy=True)

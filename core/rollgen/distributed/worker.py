@@ -237,33 +237,31 @@ class EngineWorker(ABC):
         """Stop the engine and its processes."""
 
 
-@dataclass(frozen=True)
-class Raised:
-    """A rollgen error an engine's worker process returned instead of raising: engines wrap
-    what their workers raise in an untyped exception (vLLM's ``collective_rpc`` does)."""
-
-    error: RollgenError
+#: The key of the value a ``returns_errors`` method returns in place of raising.
+RAISED = "rollgen_raised"
 
 
 def returns_errors(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Make ``method`` (run in an engine's worker process) return its ``RollgenError`` as a
-    ``Raised``; ``reraise`` on the worker's side raises it as itself."""
+    """Make ``method`` (run in an engine's worker process) return its ``RollgenError``,
+    pickled, as ``{RAISED: bytes}`` (engines wrap what their workers raise in an untyped
+    exception, and vLLM's engine core serialises results with msgspec, which takes dicts of
+    bytes); ``reraise`` on the caller's side raises it as itself."""
 
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
             return method(*args, **kwargs)
         except RollgenError as exc:
-            return Raised(exc)
+            return {RAISED: pickle.dumps(exc)}
 
     return call
 
 
 def reraise(results: list[Any]) -> list[Any]:
-    """``results`` of one call on every rank, raising the first rank's ``Raised`` error."""
+    """``results`` of one call on every rank, raising the first rank's returned error."""
     for result in results:
-        if isinstance(result, Raised):
-            raise result.error
+        if isinstance(result, dict) and RAISED in result:
+            raise pickle.loads(result[RAISED])
     return results
 
 

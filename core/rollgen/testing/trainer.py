@@ -1,13 +1,13 @@
 """A trainer in a process of its own, for tests of refit over a weight-sync group:
 ``python -m rollgen.testing.trainer SPEC_JSON UPDATES_JSON DTYPE DEVICE`` joins the group as its
-sender (its tensors on DEVICE: ``cpu`` or ``cuda:N``) and broadcasts each update in turn,
-printing "ok" or the RefitError's first line after each."""
+sender (its tensors on DEVICE: ``cpu`` or ``cuda:N``), printing "port N" (where it listens: the
+spec's port may be 0), then broadcasts each update in turn, printing "ok" or the RefitError's
+first line after each."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -22,13 +22,6 @@ from rollgen.weight_sync import SyncGroupSpec, WeightSender
 Update = tuple[str, str | None]
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Trainer:
     """The trainer process of ``start_trainer``."""
 
@@ -37,6 +30,12 @@ class Trainer:
         self.process = subprocess.Popen(
             [sys.executable, "-m", __name__, *args], stdout=subprocess.PIPE, text=True, bufsize=1
         )
+        port = self.result()
+        if not port.startswith("port "):
+            self.kill()
+            raise RuntimeError(f"the trainer process did not start (it said {port!r}); see its stderr")
+        #: The spec with the port the trainer listens on: the generation's ``init_weight_sync``'s.
+        self.spec = dataclasses.replace(spec, port=int(port.split()[1]))
 
     def result(self) -> str:
         """What the next update gave: "ok" or "RefitError: ..." ("" if the process ended)."""
@@ -63,6 +62,8 @@ def send_updates(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     sender = WeightSender(spec, device)
+    print(f"port {sender.spec.port}", flush=True)
+    sender.connect()
     for model_dir, drop in updates:
         state = dict(load_reference_model(model_dir, torch.float32).to(device).state_dict())
         state.pop(drop or "", None)

@@ -47,14 +47,18 @@ class RollgenWorkerExtension:
         )
 
     @returns_errors
-    def rollgen_join_weight_sync(self, spec: SyncGroupSpec, first_rank: int) -> None:
-        """Join the weight-sync group as rank ``first_rank`` + this worker's rank."""
-        self.rollgen_sync = SyncGroup(spec, first_rank + getattr(self, "rank", 0), self.rollgen_device())
+    def rollgen_join_weight_sync(self, spec: bytes, first_rank: int) -> None:
+        """Join the weight-sync group of the pickled ``SyncGroupSpec`` as rank ``first_rank`` +
+        this worker's rank."""
+        group: SyncGroupSpec = pickle.loads(spec)
+        self.rollgen_sync = SyncGroup(group, first_rank + getattr(self, "rank", 0), self.rollgen_device())
 
     @returns_errors
-    def rollgen_receive_weights(self, spec: WeightSpec, replay: bool) -> bool:
-        """Receive one update over the weight-sync group (``weight_sync.receive``)."""
-        return receive(self.rollgen_sync, spec, lambda named: self.rollgen_load(named, replay))
+    def rollgen_receive_weights(self, spec: bytes, replay: bool) -> bool:
+        """Receive one update over the weight-sync group (``weight_sync.receive``), checked
+        against the pickled ``WeightSpec``."""
+        weights: WeightSpec = pickle.loads(spec)
+        return receive(self.rollgen_sync, weights, lambda named: self.rollgen_load(named, replay))
 
     def rollgen_device(self) -> torch.device:
         return self.device if torch.cuda.is_available() else torch.device("cpu")

@@ -160,15 +160,14 @@ class VllmWorker(EngineWorker):
     def _devices(self) -> list[str]:
         return self._rpc(RollgenWorkerExtension.rollgen_device_uuid)
 
+    # specs travel pickled: vLLM's engine core turns dataclass arguments into dicts
     def _join_weight_sync(self, spec: SyncGroupSpec, first_rank: int) -> None:
-        self._rpc(RollgenWorkerExtension.rollgen_join_weight_sync, spec, first_rank)
+        self._rpc(RollgenWorkerExtension.rollgen_join_weight_sync, pickle.dumps(spec), first_rank)
 
     def _receive_weights(self, spec: WeightSpec) -> bool:
-        return bool(
-            self._rpc(RollgenWorkerExtension.rollgen_receive_weights, spec, self.spec.engine["replay_refit"])[
-                0
-            ]
-        )
+        replay = self.spec.engine["replay_refit"]
+        results = self._rpc(RollgenWorkerExtension.rollgen_receive_weights, pickle.dumps(spec), replay)
+        return bool(results[0])
 
     def collective_rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """``method`` of the worker extension on every TP rank of this engine."""

@@ -1,0 +1,23 @@
+"""The refit examples that run on CPU, run as a user runs them (docs/contract.md shows them)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize("example", ["refit_one_process.py", "refit_other_process.py"])
+def test_a_refit_example_runs_and_the_engine_follows_the_trainer(example: str) -> None:
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLES / example), "--backend", "hf"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    logprobs = [json.loads(line[line.index("[") :]) for line in run.stdout.splitlines() if "logprobs" in line]
+    assert len(logprobs) == 2 and logprobs[0] != logprobs[1], run.stdout  # the new weights are served
