@@ -50,12 +50,12 @@ def run_update(
         def load(named: list[tuple[str, torch.Tensor]]) -> None:
             if fail_on is not None and (rank, len(loaded)) == fail_on:
                 raise RuntimeError("disk on fire")
-            loaded.append(named)  # type: ignore[arg-type]
+            loaded.append([(n, t.clone()) for n, t in named])  # type: ignore[misc] # views of a reused buffer
 
         try:
             group = SyncGroup(sender.spec, rank)
             results[rank - 1] = (receive(group, spec, load), loaded)
-        except RefitError as exc:
+        except Exception as exc:  # noqa: BLE001 - what each rank ended with, asserted by the tests
             results[rank - 1] = exc
 
     threads = [threading.Thread(target=engine, args=(r,)) for r in range(1, engines + 1)]
@@ -68,6 +68,7 @@ def run_update(
         error = exc
     for t in threads:
         t.join(60)
+    assert not any(t.is_alive() for t in threads), "an engine rank is still waiting"
     return error, results
 
 
@@ -123,6 +124,25 @@ def test_a_load_that_fails_on_one_rank_is_a_stale_refit_error_on_every_rank() ->
     assert isinstance(error, RefitError) and error.stale
     assert "engine rank 2 failed to load bucket 2 of 3 (RuntimeError: disk on fire)" in str(error)
     assert all(isinstance(r, RefitError) and r.stale and str(r) == str(error) for r in results)
+
+
+def test_a_source_the_sender_cannot_read_is_refused_on_every_rank() -> None:
+    error, results = run_update(lambda s: s.send(None), spec_of(source()))  # type: ignore[arg-type]
+    assert isinstance(error, RefitError) and "a refit source is a torch.nn.Module" in str(error)
+    assert all(isinstance(r, RefitError) and str(r) == str(error) for r in results)
+
+
+def test_a_bucket_the_sender_fails_to_pack_is_skipped_and_the_update_is_stale_everywhere() -> None:
+    """The last bucket holds a meta tensor (its shape and dtype pass; packing it fails): the
+    receivers load the buckets before it, skip it, and every rank raises a stale RefitError."""
+    state = source()
+    broken = {**state, "lm_head.weight": torch.empty(16, 8, device="meta")}
+    error, results = run_update(
+        lambda s: s.send(broken, bucket_bytes=300, check_finite=False), spec_of(state)
+    )
+    assert isinstance(error, RefitError) and error.stale and "failed to pack bucket 3 of 3" in str(error)
+    for r in results:
+        assert isinstance(r, RefitError) and r.stale and str(r) == str(error)
 
 
 def test_a_bad_spec_is_a_refit_error() -> None:

@@ -21,7 +21,6 @@ from rollgen.errors import (
     EngineClosed,
     InputError,
     RefitError,
-    RollgenError,
     StaleWeights,
     UnsupportedCapability,
 )
@@ -453,12 +452,17 @@ class BaseGeneration(ABC):
         sending process joins it (``sender = rollgen.WeightSender(spec)`` there, made from
         ``weight_sync_spec``; pass ``sender.spec`` here, which has the port it listens on, and
         call ``sender.connect()`` there); returns once all have joined. ``local_sender``: this
-        process is the sender (``spec.port`` 0: a free port), and ``refit`` broadcasts. Then
-        each ``WeightSender.send`` pairs with an ``update_weights_from_collective`` here."""
+        process is the sender (``spec.port`` 0: a free port; the current CUDA device, over
+        NCCL), and ``refit`` broadcasts. Then each ``WeightSender.send`` pairs with an
+        ``update_weights_from_collective`` here. A new group replaces the last one (after a
+        trainer restarts, or a failure broke the group)."""
         self._check_open()
         self.require(Capability.REFIT_COLLECTIVE, "init_weight_sync")
-        if self.weight_sync is not None:
-            raise RefitError(f"{self.name}: a weight-sync group is set up already ({self.weight_sync})")
+        if spec.port == 0 and not local_sender:
+            raise RefitError(
+                "the spec's port is 0: pass the sender's spec (rollgen.WeightSender(spec).spec), which "
+                "has the port it listens on"
+            )
         if spec.world_size != 1 + self.weight_sync_ranks:
             raise RefitError(
                 f"{self.name}: the group has {spec.world_size} ranks; these engines need 1 + "
@@ -483,7 +487,9 @@ class BaseGeneration(ABC):
     def update_weights_from_collective(self) -> None:
         """Receive the update the trainer's ``WeightSender.send`` broadcasts (call both at once:
         this returns when the update is applied). Checked against the served model before any
-        byte is applied; a failure while applying marks the generation stale."""
+        byte is applied; a failure while applying marks the generation stale. Raised here at
+        once, before the engines take part (the trainer's ``send`` then waits out its
+        ``timeout_s``): a closed or sleeping engine, or no group."""
         self._check_open()
         self._check_awake(["weights"], "update weights")
         if self.weight_sync is None:
@@ -499,13 +505,13 @@ class BaseGeneration(ABC):
             if send is not None:
                 try:
                     send()
-                except RollgenError:
-                    with contextlib.suppress(RollgenError):
-                        received()  # the engines raise the same error
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        received()  # the engines raise the sender's error too; the sender's is raised
                     raise
             partial = received()
-        except RollgenError as exc:
-            if not isinstance(exc, RefitError) or exc.stale:
+        except BaseException as exc:
+            if not (isinstance(exc, RefitError) and not exc.stale):  # anything but a clean rejection
                 self._mark_stale(f"an update over the weight-sync group failed ({type(exc).__name__}: {exc})")
             raise
         self._after_update(partial)

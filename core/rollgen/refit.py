@@ -310,16 +310,19 @@ def module_group(name: str) -> str:
 
 
 def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
-    """The names of the floating-point tensors that hold a NaN or an infinity: one fused 2-norm
-    pass and one host sync per device; a tensor whose norm is not finite is then checked
-    element-wise (a huge but finite tensor overflows its norm)."""
+    """The names of the floating-point tensors that hold a NaN or an infinity: one norm pass and
+    one host sync per device (on CPU the fused 2-norm, 8x faster than max-abs there; on CUDA
+    max-abs, which took 4.2 ms for 3.09 GB on an H200 where the 2-norm took 7.1 ms); a tensor
+    whose norm is not finite is then checked element-wise (a huge but finite tensor overflows
+    its 2-norm)."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in named:
         if tensor.is_floating_point() and tensor.numel():
             by_device.setdefault(tensor.device, []).append((name, tensor.detach()))
     bad = []
     for group in by_device.values():
-        norms = torch._foreach_norm([t for _, t in group])
+        order = math.inf if group[0][1].is_cuda else 2
+        norms = torch._foreach_norm([t for _, t in group], order)
         suspects = (~torch.stack([n.float() for n in norms]).isfinite()).nonzero().flatten().tolist()
         bad += [group[i][0] for i in suspects if not bool(torch.isfinite(group[i][1]).all())]
     return bad
@@ -381,11 +384,16 @@ def flat_offsets(sizes: Iterable[int]) -> tuple[int, ...]:
 
 
 def flatten(
-    tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], offsets: tuple[int, ...], device: torch.device
+    tensors: list[torch.Tensor],
+    metas: tuple[TensorMeta, ...],
+    offsets: tuple[int, ...],
+    device: torch.device,
+    extra: int = 0,
 ) -> torch.Tensor:
     """One uint8 buffer on ``device`` holding the bytes of ``tensors`` (described by ``metas``)
-    at ``offsets`` (one fused copy when the tensors are on ``device`` already)."""
-    buf = torch.empty(offsets[-1], dtype=torch.uint8, device=device)
+    at ``offsets`` (one fused copy when the tensors are on ``device`` already), and ``extra``
+    bytes after them."""
+    buf = torch.empty(offsets[-1] + extra, dtype=torch.uint8, device=device)
     views = unflatten(buf, metas, offsets)
     if all(t.device == buf.device for t in tensors):
         torch._foreach_copy_(views, tensors)

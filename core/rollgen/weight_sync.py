@@ -194,25 +194,48 @@ class WeightSender:
         RefitError if the source or the engines reject it (nothing applied), or if an engine
         failed while applying it (``stale``: the generation refuses to generate until a
         complete refit)."""
-        check_source(source)
-        check_bucket_bytes(bucket_bytes)
-        groups = list(bucket_groups(source, bucket_bytes, dtype))
-        buckets = tuple(_layout(g, dtype) for g in groups)
-        error = _nonfinite_error(source, dtype) if check_finite else None
+        groups: list[list[tuple[str, torch.Tensor]]] = []
+        buckets: tuple[Bucket, ...] = ()
+        try:
+            check_source(source)
+            check_bucket_bytes(bucket_bytes)
+            groups = list(bucket_groups(source, bucket_bytes, dtype))
+            buckets = tuple(_layout(g, dtype) for g in groups)
+            error = _nonfinite_error(source, dtype) if check_finite else None
+        except Exception as exc:  # noqa: BLE001 - sent to every rank in the manifest, raised below
+            error = (
+                exc
+                if isinstance(exc, RefitError)
+                else RefitError(f"the trainer could not prepare the update: {exc!r}")
+            )
+            groups, buckets = [], ()
         self.group.share(pickle.dumps(Manifest(buckets, partial, error)), root=0)
         if error is not None:
             raise error
         self.group.settle(None)  # the engines' checks of the manifest
+        failure: RefitError | None = None
         in_flight: deque[tuple[Any, torch.Tensor]] = deque()
-        for group, (metas, offsets) in zip(groups, buckets):
-            # the copy into the flat buffer casts
-            buf = flatten([t for _, t in group], metas, offsets, self.group.device)
+        for i, (group, (metas, offsets)) in enumerate(zip(groups, buckets)):
+            buf = None
+            if failure is None:
+                try:  # the copy into the flat buffer casts
+                    buf = flatten([t for _, t in group], metas, offsets, self.group.device, extra=1)
+                    buf[-1] = 0
+                except Exception as exc:  # noqa: BLE001 - every rank raises it at the end
+                    logger.exception("weight-sync sender: packing bucket %d failed", i + 1)
+                    failure = RefitError(
+                        f"the trainer failed to pack bucket {i + 1} of {len(buckets)} ({exc!r}); the "
+                        "engines may hold part of the update",
+                        stale=True,
+                    )
+            if buf is None:  # the receivers expect every bucket: send it marked as not to load
+                buf = torch.ones(offsets[-1] + 1, dtype=torch.uint8, device=self.group.device)
             in_flight.append((self.group.broadcast(buf), buf))
             if len(in_flight) > 1:  # at most two buckets beyond the model
                 _finish(*in_flight.popleft())
         while in_flight:
             _finish(*in_flight.popleft())
-        self.group.settle(None)  # the engines' loads
+        self.group.settle(failure)  # the engines' loads
 
     def close(self) -> None:
         """Leave the group (the engines' ends go with their generation)."""
@@ -223,37 +246,47 @@ def receive(
     group: SyncGroup, spec: WeightSpec, load: Callable[[list[tuple[str, torch.Tensor]]], None]
 ) -> bool:
     """An engine rank's part of one update: check the manifest against ``spec``, then receive
-    each bucket and ``load`` its named tensors. Returns whether the update was partial."""
+    each bucket and ``load`` its named tensors (views of a receive buffer that the next buckets
+    reuse: copy them). Returns whether the update was partial."""
     manifest: Manifest = pickle.loads(group.share(None, root=0))
     if manifest.error is not None:
         raise manifest.error
+    buckets = manifest.buckets
     rejection = None
     try:
-        check_against_spec((m for metas, _ in manifest.buckets for m in metas), spec, manifest.partial)
+        check_against_spec((m for metas, _ in buckets for m in metas), spec, manifest.partial)
+        # two receive buffers of the largest bucket (and its mark), taken before anything is
+        # applied: a rank that cannot hold them rejects the update
+        largest = max((offsets[-1] for _, offsets in buckets), default=0) + 1
+        pool = [torch.empty(largest, dtype=torch.uint8, device=group.device) for _ in buckets[:2]]
     except RefitError as exc:
         rejection = exc
+    except torch.OutOfMemoryError as exc:
+        rejection = RefitError(
+            f"engine rank {group.rank} cannot hold two buckets of {largest} bytes ({exc}); nothing "
+            "was applied: send smaller buckets (bucket_bytes)"
+        )
     group.settle(rejection)
 
-    def post(bucket: Bucket) -> tuple[Any, torch.Tensor]:
-        buf = torch.empty(bucket[1][-1], dtype=torch.uint8, device=group.device)
+    def post(i: int) -> tuple[Any, torch.Tensor]:
+        buf = pool[i % 2][: buckets[i][1][-1] + 1]
         return group.broadcast(buf), buf
 
     failure: RollgenError | None = None
-    buckets = manifest.buckets
-    incoming = [post(buckets[0])] if buckets else []
+    incoming = [post(0)] if buckets else []
     for i, (metas, offsets) in enumerate(buckets):
         work, buf = incoming.pop()
         work.wait()
         if i + 1 < len(buckets):
-            incoming.append(post(buckets[i + 1]))
-        if failure is not None:
-            continue  # keep receiving: the sender's broadcasts need every rank
+            incoming.append(post(i + 1))
+        if failure is not None or int(buf[-1].item()) != 0:
+            continue  # keep receiving (the sender's broadcasts need every rank); skip marked ones
         try:
             load([(m.name, t) for m, t in zip(metas, unflatten(buf, metas, offsets))])
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below, as a RefitError
             logger.exception("weight-sync rank %d: loading bucket %d failed", group.rank, i + 1)
             failure = RefitError(
-                f"engine rank {group.rank} failed to load bucket {i + 1} of {len(manifest.buckets)} "
+                f"engine rank {group.rank} failed to load bucket {i + 1} of {len(buckets)} "
                 f"({type(exc).__name__}: {exc}); replicas may now hold different weights",
                 stale=True,
             )
