@@ -152,6 +152,34 @@ def test_cpu_engines_get_a_kv_cache_that_fits_the_machine() -> None:
     assert given["kv_cache_memory_bytes"] == 5, "a size the config gives is kept"
 
 
+def test_refit_over_a_weight_sync_group_crosses_a_separate_engine_core_process(
+    dp1, batch: dict, model_dir: str
+) -> None:
+    """``dp1`` runs vLLM's engine core in a process of its own (as on GPUs), which sends
+    ``collective_rpc`` arguments and results through msgspec: the group's spec gets there, a
+    refused update comes back as a RefitError, a complete one applies."""
+    from rollgen import RefitError
+    from rollgen.testing.trainer import start_trainer
+
+    before = dp1.generate(batch, greedy=True)
+    trainer = start_trainer(
+        dp1.weight_sync_spec("127.0.0.1", timeout_s=120),
+        [(model_dir, "model.norm.weight"), (model_dir, None)],
+        "float32",
+    )
+    try:
+        dp1.init_weight_sync(trainer.spec)
+        with pytest.raises(RefitError, match="model.norm.weight: missing"):
+            dp1.update_weights_from_collective()
+        assert trainer.result().startswith("RefitError")
+        dp1.update_weights_from_collective()
+        assert trainer.result() == "ok"
+    finally:
+        trainer.kill()
+    after = dp1.generate(batch, greedy=True)
+    assert torch.equal(after["output_ids"], before["output_ids"])
+
+
 def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> None:
     """SIGKILL of the engine-core process of ``dp1`` (multi-process engine core; its Ray actor
     stays up): the worker sees its engine's process end and exits, so the next generate fails

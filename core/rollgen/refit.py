@@ -188,8 +188,8 @@ def check_reach(bucket: WeightBucket, engine_devices: Iterable[str]) -> None:
             f"refit over CUDA IPC: the engines run on GPUs {engine_devices}, the update holds "
             f"tensors on {sorted(bucket.payload)} only; nothing was sent. CUDA IPC needs the "
             "trainer's tensors on every engine GPU: with trainer ranks colocated on them, pack "
-            "buckets on each rank and merge them (rollgen.merge_buckets); otherwise set up a "
-            "weight-sync group (init_weight_sync) and refit over it",
+            "buckets on each rank and merge them (rollgen.merge_buckets); otherwise refit over a "
+            "weight-sync group (docs/contract.md, 'Where the trainer is')",
             [f"no handle for engine GPU {uuid}" for uuid in missing],
         )
 
@@ -447,8 +447,8 @@ def _ipc_handles(
             raise RefitError(
                 f"refit over CUDA IPC: engine GPUs {unseen} are not visible to this process (it sees "
                 f"{sorted(visible)}); nothing was sent. Refit from a process that sees every engine "
-                "GPU, merge the buckets of trainer ranks on them (rollgen.merge_buckets), or set up "
-                "a weight-sync group (init_weight_sync)"
+                "GPU, merge the buckets of trainer ranks on them (rollgen.merge_buckets), or refit "
+                "over a weight-sync group (docs/contract.md, 'Where the trainer is')"
             )
         targets = sorted({visible[d] for d in devices}, key=lambda d: d != source)
     elif source.type == "cuda":
