@@ -385,12 +385,12 @@ def flatten(
     metas: tuple[TensorMeta, ...],
     offsets: tuple[int, ...],
     device: torch.device,
-    extra: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One uint8 buffer on ``device`` holding the bytes of ``tensors`` (described by ``metas``)
-    at ``offsets`` (one fused copy when the tensors are on ``device`` already), and ``extra``
-    bytes after them."""
-    buf = torch.empty(offsets[-1] + extra, dtype=torch.uint8, device=device)
+    at ``offsets`` (one fused copy when the tensors are on ``device`` already); ``out``: that
+    buffer, given (at least ``offsets[-1]`` bytes)."""
+    buf = torch.empty(offsets[-1], dtype=torch.uint8, device=device) if out is None else out
     views = unflatten(buf, metas, offsets)
     if all(t.device == buf.device for t in tensors):
         torch._foreach_copy_(views, tensors)

@@ -214,12 +214,19 @@ class WeightSender:
             raise error
         self.group.settle(None)  # the engines' checks of the manifest
         failure: RefitError | None = None
+        # two send buffers of the largest bucket, reused: fresh host memory per bucket costs
+        # more in page faults than the copy into it
+        largest = max((offsets[-1] for _, offsets in buckets), default=0) + 1
+        pool: list[torch.Tensor] = []
         in_flight: deque[tuple[Any, torch.Tensor]] = deque()
         for i, (group, (metas, offsets)) in enumerate(zip(groups, buckets)):
             buf = None
             if failure is None:
                 try:  # the copy into the flat buffer casts
-                    buf = flatten([t for _, t in group], metas, offsets, self.group.device, extra=1)
+                    if len(pool) < 2:
+                        pool.append(torch.empty(largest, dtype=torch.uint8, device=self.group.device))
+                    buf = pool[i % 2][: offsets[-1] + 1]  # (its last byte: the mark)
+                    flatten([t for _, t in group], metas, offsets, self.group.device, out=buf)
                     buf[-1] = 0
                 except Exception as exc:  # noqa: BLE001 - every rank raises it at the end
                     logger.exception("weight-sync sender: packing bucket %d failed", i + 1)
