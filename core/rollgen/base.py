@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -506,8 +505,10 @@ class BaseGeneration(ABC):
                 try:
                     send()
                 except BaseException:
-                    with contextlib.suppress(Exception):
-                        received()  # the engines raise the sender's error too; the sender's is raised
+                    try:  # the engines end the update too, raising the sender's error or their own
+                        received()
+                    except Exception as engines:  # noqa: BLE001 - the sender's error is the one raised
+                        logger.debug("%s: the engines' side of the failed update: %r", self.name, engines)
                     raise
             partial = received()
         except BaseException as exc:
