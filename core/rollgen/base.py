@@ -8,24 +8,27 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 
 from rollgen import refit as refit_mod
-from rollgen.data import BatchedDataDict, right_pad
+from rollgen.data import BatchedDataDict, right_pad, unpad
 from rollgen.errors import (
     ConfigError,
     EngineAsleep,
     EngineClosed,
     InputError,
     RefitError,
+    RolloutsInFlight,
     StaleWeights,
     UnsupportedCapability,
 )
 from rollgen.model_info import ModelInfo
-from rollgen.output import empty_output, finish_output
+from rollgen.output import empty_output, finish_output, stop_reason
 from rollgen.refit import WeightBucket, WeightSpec
+from rollgen.rollout import Rollout, SampleRequest, Streams, UpdateMode
 from rollgen.sampling import SampleParams, resolve_sampling, truncate_at_stop
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
 from rollgen.weight_sync import SyncBackend, SyncGroup, SyncGroupSpec, WeightSender, receive
@@ -95,6 +98,8 @@ class BaseGeneration(ABC):
         self.weight_sync: SyncGroupSpec | None = None
         self._sender: WeightSender | None = None
         self._sync_group: SyncGroup | None = None
+        #: Samples streamed by ``submit``, and the weight version.
+        self._streams = Streams(self._stream_start, self._stream_abort, self._stream_stop_reason)
         seed = self.cfg.get("seed")
         self._seed_rng = None if seed is None else torch.Generator().manual_seed(int(seed))
         if self.cfg.get("logprobs_mode") == "processed":
@@ -171,6 +176,34 @@ class BaseGeneration(ABC):
     # ---- generation ---------------------------------------------------------------------------
     @serialised
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        self._check_idle("generate")
+        batch, params = self._prepare(data, greedy)
+        if batch.size == 0:
+            return empty_output(batch["input_ids"].shape[1])
+        self._prefixes_cached = True  # before the call: a failed generate may have cached some
+        self._params = (batch, greedy, params)
+        try:
+            out = self._generate(batch, greedy)
+        finally:
+            self._params = None
+        finite = finish_output(
+            out,
+            batch,
+            params,
+            self.model_info.eos_token_ids,
+            self.max_model_len,
+            lambda i, tokens: self._hits_stop_string(params[i], tokens),
+        )
+        if not finite:
+            self._kv_poisoned = True
+            logger.warning("%s: NaN or infinite logprobs; are the weights finite?", self.name)
+        return out
+
+    def _prepare(
+        self, data: Mapping[str, Any], greedy: bool
+    ) -> tuple[BatchedDataDict[Any], list[SampleParams]]:
+        """The validated batch (seeded where the config has a seed) and each sample's settings;
+        raises before any engine work if the engine cannot take it now."""
         from rollgen.validation import validate_generation_input
 
         self._check_open()
@@ -189,30 +222,61 @@ class BaseGeneration(ABC):
             self.require(Capability.STOP_STRINGS, "stop_strings")
         if any(k in batch for k in PER_SAMPLE_SAMPLING_KEYS if k != "seed"):
             self.require(Capability.PER_SAMPLE_SAMPLING, "per-sample sampling settings")
-        width = batch["input_ids"].shape[1]
-        if batch.size == 0:
-            return empty_output(width)
-        if "seed" not in batch and self._seed_rng is not None and not greedy:
+        if batch.size and "seed" not in batch and self._seed_rng is not None and not greedy:
             batch["seed"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_rng)
-        self._prefixes_cached = True  # before the call: a failed generate may have cached some
         params = resolve_sampling(self.cfg, batch, greedy, self.max_model_len, self.model_info.eos_token_ids)
-        self._params = (batch, greedy, params)
-        try:
-            out = self._generate(batch, greedy)
-        finally:
-            self._params = None
-        finite = finish_output(
-            out,
-            batch,
+        return batch, params
+
+    def _hits_stop_string(self, params: SampleParams, tokens: list[int]) -> bool:
+        return any(s in self.tokenizer.decode(tokens) for s in params.stop_strings)
+
+    def _check_idle(self, what: str) -> None:
+        running = self._streams.in_flight
+        if running:
+            raise RolloutsInFlight(
+                f"cannot {what}: {running} streamed sample(s) are in flight; wait for their rollouts, "
+                "cancel them (Rollout.cancel()), or submit this batch too"
+            )
+
+    # ---- streamed rollouts ----------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        """How many weight updates (refits) have completed on this generation object; every
+        streamed token is stamped with the version that produced it."""
+        return self._streams.version
+
+    @serialised
+    def submit(self, data: Mapping[str, Any], greedy: bool = False) -> Rollout:
+        """Start generating for a batch (``generate``'s input) and return at once; the returned
+        ``Rollout`` yields each sample's result as it finishes. Batches submitted while others
+        run share the engine (continuous batching); a weight update in between says what happens
+        to them (``mode`` of ``refit``/``update_weights``)."""
+        self.require(Capability.ASYNC, "submit (streamed rollouts)")
+        batch, params = self._prepare(data, greedy)
+        rollout = Rollout(self._streams, batch, self.cfg["pad_token_id"])
+        self._prefixes_cached = True
+        self._streams.submit(rollout, unpad(batch["input_ids"], batch["input_lengths"]), params)
+        return rollout
+
+    def _stream_stop_reason(self, params: SampleParams, end: int, tokens: list[int]) -> str:
+        return stop_reason(
+            tokens,
+            end,
             params,
             self.model_info.eos_token_ids,
             self.max_model_len,
-            lambda i, tokens: any(s in self.tokenizer.decode(tokens) for s in params[i].stop_strings),
+            lambda generated: self._hits_stop_string(params, generated),
         )
-        if not finite:
-            self._kv_poisoned = True
-            logger.warning("%s: NaN or infinite logprobs; are the weights finite?", self.name)
-        return out
+
+    def _stream_start(self, requests: list[SampleRequest]) -> None:
+        """Start generating ``requests`` and report each one's end to ``self._streams.deliver``
+        (from any thread); backends that declare ``async`` implement it."""
+        raise UnsupportedCapability(self.name, Capability.ASYNC.value, "streamed rollouts")
+
+    def _stream_abort(self, keys: list[str]) -> None:
+        """End the samples ``keys`` now: report each (``aborted=True``, with the tokens it has)
+        unless it ended already."""
+        raise UnsupportedCapability(self.name, Capability.ASYNC.value, "streamed rollouts")
 
     def sample_params(self, batch: Mapping[str, Any], greedy: bool) -> list[SampleParams]:
         """Per-sample settings for a validated batch (used by backends inside ``_generate``; the
@@ -277,6 +341,7 @@ class BaseGeneration(ABC):
     @serialised
     def finish_generation(self) -> None:
         self._check_open()
+        self._check_idle("sleep (finish_generation)")
         self.require(Capability.SLEEP_WAKE, "finish_generation (sleep)")
         if self._awake:
             self._sleep()
@@ -314,11 +379,16 @@ class BaseGeneration(ABC):
 
     @serialised
     def update_weights(
-        self, buckets: WeightBucket | Iterable[WeightBucket], *, partial: bool = False
+        self,
+        buckets: WeightBucket | Iterable[WeightBucket],
+        *,
+        partial: bool = False,
+        mode: UpdateMode = "wait",
     ) -> None:
         """Apply buckets packed by ``rollgen.iter_buckets`` (in this or another process; checked
         there for NaN and infinite values). Names, shapes and dtypes are checked first, and that
-        they cover the whole model (``partial=True``: whole module groups of it)."""
+        they cover the whole model (``partial=True``: whole module groups of it). ``mode``: what
+        happens to streamed samples in flight (``rollgen.rollout.UpdateMode``)."""
         self._check_open()
         self._check_awake(["weights"], "update weights")
         if buckets is None or isinstance(buckets, (str, bytes, Mapping, torch.Tensor)):
@@ -333,7 +403,8 @@ class BaseGeneration(ABC):
         self.check_weights((m for b in items for m in b.metas), partial)
         for b in items:
             refit_mod.check_reach(b, self.engine_devices)
-        self._apply(items, partial, f"update_weights of {len(items)} bucket(s)")
+        with self._in_flight_update(mode):
+            self._apply(items, partial, f"update_weights of {len(items)} bucket(s)")
 
     @serialised
     def refit(
@@ -344,6 +415,7 @@ class BaseGeneration(ABC):
         dtype: torch.dtype | None = None,
         partial: bool = False,
         check_finite: bool = True,
+        mode: UpdateMode = "wait",
     ) -> None:
         """Push a local model or state dict into the engine: validate everything (names, shapes,
         dtypes, the whole model covered unless ``partial``, no NaN or infinite value unless
@@ -352,7 +424,9 @@ class BaseGeneration(ABC):
         1 GiB from host memory), or broadcast them over the weight-sync group when this process
         is its sender (``init_weight_sync(..., local_sender=True)``). ``dtype`` casts while
         packing. Over CUDA IPC, RefitError before anything is sent unless the source's GPU
-        holds every engine GPU's handle."""
+        holds every engine GPU's handle. ``mode``: what happens to streamed samples in flight
+        (``rollgen.rollout.UpdateMode``; validation comes first, so a rejected refit leaves them
+        running)."""
         self._check_open()
         self._check_awake(["weights"], "refit")
         self.require(refit_mod.TRANSPORT_CAPABILITY[self.local_transport], "refit")
@@ -362,6 +436,19 @@ class BaseGeneration(ABC):
         self.check_weights((refit_mod.TensorMeta(n, s, d) for n, (s, d) in spec.items()), partial)
         if check_finite:
             refit_mod.require_finite(refit_mod.named_tensors(source))
+        with self._in_flight_update(mode):
+            self._push(source, bucket_bytes, dtype, partial, check_finite)
+
+    def _push(
+        self,
+        source: torch.nn.Module | Mapping[str, torch.Tensor],
+        bucket_bytes: int | None,
+        dtype: torch.dtype | None,
+        partial: bool,
+        check_finite: bool,
+    ) -> None:
+        """Send a validated source: over the weight-sync group when this process is its
+        sender, else packed over ``local_transport``."""
         if self._sender is not None:
             sender = self._sender
             self._update_over_sync(
@@ -385,6 +472,10 @@ class BaseGeneration(ABC):
             devices=self.engine_devices or None,
         )
         self._apply(buckets, partial, "refit")
+
+    def _in_flight_update(self, mode: UpdateMode) -> AbstractContextManager[None]:
+        """Around an update's application: streamed samples in flight handled per ``mode``."""
+        return self._streams.update(mode, fresh=lambda: self._stale is None)
 
     def _apply(self, buckets: Iterable[WeightBucket], partial: bool, what: str) -> None:
         """Load validated buckets one at a time (each freed before the next is packed). A
@@ -483,7 +574,7 @@ class BaseGeneration(ABC):
         self.weight_sync, self._sender = spec, sender
 
     @serialised
-    def update_weights_from_collective(self) -> None:
+    def update_weights_from_collective(self, *, mode: UpdateMode = "wait") -> None:
         """Receive the update the trainer's ``WeightSender.send`` broadcasts (call both at once:
         this returns when the update is applied). Checked against the served model before any
         byte is applied; a failure while applying marks the generation stale. Raised here at
@@ -495,7 +586,8 @@ class BaseGeneration(ABC):
             raise RefitError(f"{self.name}: no weight-sync group; call init_weight_sync first")
         if self._sender is not None:
             raise RefitError(f"{self.name}: this process is the group's sender; call refit(source)")
-        self._update_over_sync(None)
+        with self._in_flight_update(mode):
+            self._update_over_sync(None)
 
     def _update_over_sync(self, send: Callable[[], None] | None) -> None:
         """Receive one update on every engine rank while ``send`` (if any) broadcasts it here."""
@@ -567,6 +659,7 @@ class BaseGeneration(ABC):
             return
         self._closed = True
         self._sender = self._sync_group = None
+        self._streams.close()
         self._shutdown()
 
     def __enter__(self) -> BaseGeneration:

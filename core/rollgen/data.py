@@ -105,6 +105,11 @@ def right_pad(
     return out, lengths
 
 
+def unpad(input_ids: torch.Tensor, input_lengths: torch.Tensor) -> list[tuple[int, ...]]:
+    """Each row's first ``input_lengths[i]`` ids (a right-padded batch's unpadded prompts)."""
+    return [tuple(row[:n].tolist()) for row, n in zip(input_ids, input_lengths.tolist())]
+
+
 def _cat_padded(tensors: Sequence[torch.Tensor], pad_value: float | int) -> torch.Tensor:
     if tensors[0].dim() <= 1:
         return torch.cat(list(tensors), dim=0)

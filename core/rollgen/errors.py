@@ -110,6 +110,11 @@ class StaleWeights(RollgenError):
     succeeds."""
 
 
+class RolloutsInFlight(RollgenError):
+    """Streamed samples are running (``submit``), and the call needs an idle engine (``generate``,
+    ``finish_generation``): wait for the rollouts, cancel them, or submit the batch too."""
+
+
 class OutputError(RollgenError):
     """A backend returned output that breaks the output contract (a bug in the backend, found
     by the core's check of every result)."""

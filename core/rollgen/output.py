@@ -127,8 +127,33 @@ def generated_mask(out: Mapping[str, torch.Tensor], input_lengths: torch.Tensor)
 
 
 #: Why a sample ended: the model's EOS (``ModelInfo.eos_token_ids``), a config ``stop_token_ids``,
-#: a stop string, its ``max_new_tokens`` budget, or the model's context (``max_model_len``).
-STOP_REASONS = ("eos", "stop_token", "stop_string", "length", "context")
+#: a stop string, its ``max_new_tokens`` budget, or the model's context (``max_model_len``); a
+#: streamed sample may also end ``aborted`` (by a weight update in ``abort`` mode, or shutdown) or
+#: ``cancelled`` (``Rollout.cancel``).
+STOP_REASONS = ("eos", "stop_token", "stop_string", "length", "context", "aborted", "cancelled")
+
+
+def stop_reason(
+    generated: Sequence[int],
+    end: int,
+    params: SampleParams,
+    eos_token_ids: Sequence[int],
+    max_model_len: int,
+    hit_stop_string: Callable[[list[int]], bool],
+) -> str:
+    """Why a sample that ran to its end stopped, read off its ``generated`` tokens (``end``:
+    prompt plus generation): its last token (an EOS id, else a stop id), else a stop string its
+    text holds, else the end of its budget, which the model's context may have shortened."""
+    last = generated[-1] if generated else None
+    if last in eos_token_ids:
+        return "eos"
+    if last in params.stop_token_ids:
+        return "stop_token"
+    if params.stop_strings and hit_stop_string(list(generated)):
+        return "stop_string"
+    if end >= max_model_len or len(generated) < params.max_new_tokens:
+        return "context"
+    return "length"
 
 
 def stop_reasons(
@@ -139,27 +164,20 @@ def stop_reasons(
     max_model_len: int,
     hit_stop_string: Callable[[int, list[int]], bool],
 ) -> list[str]:
-    """Each sample's stop reason, read off its output: its last token (an EOS id, else a stop
-    id), else a stop string its text holds, else the end of its budget, which the model's
-    context may have shortened (``context``). ``hit_stop_string(i, tokens)`` decodes sample i."""
-    eos = set(eos_token_ids)
-    ends_t = out["unpadded_sequence_lengths"]
-    lasts = out["output_ids"].gather(1, (ends_t - 1).unsqueeze(1)).squeeze(1).tolist()
-    ends, lengths = ends_t.tolist(), out["generation_lengths"].tolist()
+    """Each sample's ``stop_reason`` in an output. ``hit_stop_string(i, tokens)`` decodes sample i."""
+    ends, lengths = out["unpadded_sequence_lengths"].tolist(), out["generation_lengths"].tolist()
     rows = out["output_ids"]
-    reasons = []
-    for i, (p, end, n, last) in enumerate(zip(params, ends, lengths, lasts)):
-        if last in eos:
-            reasons.append("eos")
-        elif last in p.stop_token_ids:
-            reasons.append("stop_token")
-        elif p.stop_strings and hit_stop_string(i, rows[i, end - n : end].tolist()):
-            reasons.append("stop_string")
-        elif end >= max_model_len or n < p.max_new_tokens:
-            reasons.append("context")
-        else:
-            reasons.append("length")
-    return reasons
+    return [
+        stop_reason(
+            rows[i, end - n : end].tolist(),
+            end,
+            p,
+            eos_token_ids,
+            max_model_len,
+            lambda tokens, i=i: hit_stop_string(i, tokens),  # type: ignore[misc]
+        )
+        for i, (p, end, n) in enumerate(zip(params, ends, lengths))
+    ]
 
 
 def finish_output(

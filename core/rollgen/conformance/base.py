@@ -12,6 +12,7 @@ from rollgen.conformance.output import OutputContractTests
 from rollgen.conformance.refit import RefitTests
 from rollgen.conformance.sampling import OwnEngineSamplingTests, SamplingTests
 from rollgen.conformance.sleep_wake import SleepWakeTests
+from rollgen.conformance.streaming import StreamingTests
 
 
 class BackendConformance(
@@ -22,6 +23,7 @@ class BackendConformance(
     OwnEngineSamplingTests,
     BadInputTests,
     SleepWakeTests,
+    StreamingTests,
     RefitTests,
     SamplingTests,
     OutputContractTests,

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from rollgen.data import BatchedDataDict
+from rollgen.data import BatchedDataDict, unpad
 from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.errors import RollgenError
 from rollgen.output import assemble_from_lists
@@ -73,7 +73,7 @@ class GenerateRequest:
 
     def prompts(self) -> list[list[int]]:
         """Each sample's unpadded prompt token ids."""
-        return [row[:n].tolist() for row, n in zip(self.input_ids, self.input_lengths.tolist())]
+        return [list(p) for p in unpad(self.input_ids, self.input_lengths)]
 
     @classmethod
     def shards(

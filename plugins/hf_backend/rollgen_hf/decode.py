@@ -50,7 +50,112 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return idx.squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
-@torch.no_grad()
+class Decoder:
+    """Batched incremental decoding of one batch with per-sample settings, one token per
+    ``step()``: every row runs until a stop token id (the model's EOS ids among them), a stop
+    string or its token budget, or until ``stop`` ends it."""
+
+    @torch.no_grad()
+    def __init__(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        input_lengths: torch.Tensor,
+        params: Sequence[SampleParams],
+        *,
+        pad_token_id: int,
+        processed_logprobs: bool,
+        stop_hit: Callable[[int, list[int]], bool],
+        generator: torch.Generator | None,
+    ) -> None:
+        self.model, self.pad_token_id, self.processed_logprobs = model, pad_token_id, processed_logprobs
+        self.stop_hit, self.generator = stop_hit, generator
+        device = self.device = next(model.parameters()).device
+        batch = self.batch = input_ids.shape[0]
+        self.temperature = torch.tensor([p.temperature for p in params], device=device)
+        self.top_k = torch.tensor([p.top_k for p in params], device=device)
+        self.top_p = torch.tensor([p.top_p for p in params], device=device)
+        self.budget = torch.tensor([p.max_new_tokens for p in params])
+        stop_sets = [p.stop_token_ids for p in params]  # the core's: unique already
+        self.stop_table = torch.full((batch, max(1, max(len(x) for x in stop_sets))), -1, dtype=torch.long)
+        for i, ids_i in enumerate(stop_sets):
+            self.stop_table[i, : len(ids_i)] = torch.tensor(ids_i, dtype=torch.long)
+        self.has_stop_strings = [i for i, p in enumerate(params) if p.stop_strings]
+        self.row_gens = {
+            i: torch.Generator().manual_seed(p.seed) for i, p in enumerate(params) if p.seed is not None
+        }
+        ids, mask = to_left_padded(input_ids, input_lengths, pad_token_id)
+        self.mask = mask.to(device)
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(
+            input_ids=ids.to(device), attention_mask=self.mask, position_ids=positions, use_cache=True
+        )
+        self.past, self.logits = out.past_key_values, out.logits[:, -1].float()
+        self.next_pos = positions[:, -1:] + 1
+        steps = int(self.budget.max())
+        self.tokens = torch.zeros((batch, steps), dtype=torch.long)
+        self.logprobs = torch.zeros((batch, steps), dtype=torch.float32)
+        self.lengths = torch.zeros(batch, dtype=torch.long)
+        self.done = torch.zeros(batch, dtype=torch.bool)
+        self.step_index = 0
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.done.all())
+
+    def stop(self, rows: Sequence[int]) -> None:
+        """End ``rows`` where they are."""
+        self.done[list(rows)] = True
+
+    def row(self, i: int) -> tuple[list[int], list[float]]:
+        """Row ``i``'s generated tokens and their logprobs so far."""
+        n = int(self.lengths[i])
+        return self.tokens[i, :n].tolist(), self.logprobs[i, :n].tolist()
+
+    @torch.no_grad()
+    def step(self) -> list[int]:
+        """Choose one token for every running row; returns the rows that ended with it."""
+        logits, step, batch, device = self.logits, self.step_index, self.batch, self.device
+        raw = logits.log_softmax(-1)
+        processed = process_logits(logits, self.temperature, self.top_k, self.top_p).log_softmax(-1)
+        uniforms = torch.rand(batch, generator=self.generator)
+        for i, g in self.row_gens.items():
+            uniforms[i] = torch.rand(1, generator=g)[0]
+        sampled = sample(processed.exp().cpu(), uniforms).to(device)
+        chosen = torch.where(self.temperature == 0, logits.argmax(-1), sampled)
+        lp = (processed if self.processed_logprobs else raw).gather(1, chosen.unsqueeze(1)).squeeze(1)
+        active = ~self.done
+        chosen_cpu = chosen.cpu()
+        self.tokens[active, step] = chosen_cpu[active]
+        self.logprobs[active, step] = lp.cpu()[active]
+        self.lengths += active.long()
+        hit_stop_id = (self.stop_table == chosen_cpu.unsqueeze(1)).any(dim=1)
+        self.done |= active & (hit_stop_id | (self.lengths >= self.budget))
+        for i in self.has_stop_strings:
+            if (
+                active[i]
+                and not self.done[i]
+                and self.stop_hit(i, self.tokens[i, : self.lengths[i]].tolist())
+            ):
+                self.done[i] = True
+        self.step_index += 1
+        if not self.finished:
+            feed = torch.where(self.done.to(device), torch.full_like(chosen, self.pad_token_id), chosen)
+            self.mask = torch.cat(
+                [self.mask, torch.ones((batch, 1), dtype=self.mask.dtype, device=device)], dim=1
+            )
+            out = self.model(
+                input_ids=feed.unsqueeze(1),
+                attention_mask=self.mask,
+                position_ids=self.next_pos,
+                past_key_values=self.past,
+                use_cache=True,
+            )
+            self.past, self.logits = out.past_key_values, out.logits[:, -1].float()
+            self.next_pos = self.next_pos + 1
+        return (active & self.done).nonzero().flatten().tolist()
+
+
 def decode(
     model: Any,
     input_ids: torch.Tensor,
@@ -62,64 +167,17 @@ def decode(
     stop_hit: Callable[[int, list[int]], bool],
     generator: torch.Generator | None,
 ) -> Decoded:
-    """Decode every row until a stop token id (the model's EOS ids among them), a stop string or
-    its token budget."""
-    device = next(model.parameters()).device
-    batch = input_ids.shape[0]
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    top_k = torch.tensor([p.top_k for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    budget = torch.tensor([p.max_new_tokens for p in params])
-    greedy = temperature == 0
-    stop_sets = [p.stop_token_ids for p in params]  # the core's: unique already
-    stop_table = torch.full((batch, max(1, max(len(x) for x in stop_sets))), -1, dtype=torch.long)
-    for i, ids_i in enumerate(stop_sets):
-        stop_table[i, : len(ids_i)] = torch.tensor(ids_i, dtype=torch.long)
-    has_stop_strings = [i for i, p in enumerate(params) if p.stop_strings]
-    row_gens = {i: torch.Generator().manual_seed(p.seed) for i, p in enumerate(params) if p.seed is not None}
-
-    ids, mask = to_left_padded(input_ids, input_lengths, pad_token_id)
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    past, logits = out.past_key_values, out.logits[:, -1].float()
-    next_pos = positions[:, -1:] + 1
-
-    steps = int(budget.max())
-    tokens = torch.zeros((batch, steps), dtype=torch.long)
-    logprobs = torch.zeros((batch, steps), dtype=torch.float32)
-    lengths = torch.zeros(batch, dtype=torch.long)
-    done = torch.zeros(batch, dtype=torch.bool)
-    for step in range(steps):
-        raw = logits.log_softmax(-1)
-        processed = process_logits(logits, temperature, top_k, top_p).log_softmax(-1)
-        uniforms = torch.rand(batch, generator=generator)
-        for i, g in row_gens.items():
-            uniforms[i] = torch.rand(1, generator=g)[0]
-        sampled = sample(processed.exp().cpu(), uniforms).to(device)
-        chosen = torch.where(greedy, logits.argmax(-1), sampled)
-        lp = (processed if processed_logprobs else raw).gather(1, chosen.unsqueeze(1)).squeeze(1)
-        active = ~done
-        chosen_cpu = chosen.cpu()
-        tokens[active, step] = chosen_cpu[active]
-        logprobs[active, step] = lp.cpu()[active]
-        lengths += active.long()
-        hit_stop_id = (stop_table == chosen_cpu.unsqueeze(1)).any(dim=1)
-        done |= active & (hit_stop_id | (lengths >= budget))
-        for i in has_stop_strings:
-            if active[i] and not done[i] and stop_hit(i, tokens[i, : lengths[i]].tolist()):
-                done[i] = True
-        if done.all():
-            break
-        feed = torch.where(done.to(device), torch.full_like(chosen, pad_token_id), chosen)
-        mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
-        out = model(
-            input_ids=feed.unsqueeze(1),
-            attention_mask=mask,
-            position_ids=next_pos,
-            past_key_values=past,
-            use_cache=True,
-        )
-        past, logits = out.past_key_values, out.logits[:, -1].float()
-        next_pos = next_pos + 1
-    return Decoded(tokens, logprobs, lengths)
+    """Decode every row to its end (``Decoder``)."""
+    decoder = Decoder(
+        model,
+        input_ids,
+        input_lengths,
+        params,
+        pad_token_id=pad_token_id,
+        processed_logprobs=processed_logprobs,
+        stop_hit=stop_hit,
+        generator=generator,
+    )
+    while not decoder.finished:
+        decoder.step()
+    return Decoded(decoder.tokens, decoder.logprobs, decoder.lengths)

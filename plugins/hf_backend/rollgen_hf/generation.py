@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,11 +12,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollgen.base import BaseGeneration
-from rollgen.data import BatchedDataDict
+from rollgen.data import BatchedDataDict, right_pad
 from rollgen.errors import ConfigError
 from rollgen.output import assemble_output
 from rollgen.refit import WeightBucket, WeightSpec, device_uuid, load_into_module
-from rollgen_hf.decode import decode
+from rollgen.rollout import FinishedSample, SampleRequest
+from rollgen.sampling import SampleParams
+from rollgen_hf.decode import Decoder, decode
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,12 @@ class HfGeneration(BaseGeneration):
         # draws for samples without a seed (with a config seed, the core seeds every sample)
         self._generator = torch.Generator()
         self._generator.seed()
+        # streamed samples: batches and aborts handed to the decoding thread
+        self._inbox = threading.Condition()
+        self._incoming: list[list[SampleRequest]] = []
+        self._aborts: set[str] = set()
+        self._decoding: threading.Thread | None = None
+        self._stopping = False
 
     @property
     def releases_memory_on_sleep(self) -> bool:
@@ -66,12 +75,6 @@ class HfGeneration(BaseGeneration):
 
     def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
         params = self.sample_params(batch, greedy)
-        stop_strings = [p.stop_strings for p in params]
-
-        def stop_hit(row: int, tokens: list[int]) -> bool:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            return any(s in text for s in stop_strings[row])
-
         decoded = decode(
             self.model,
             batch["input_ids"],
@@ -79,7 +82,7 @@ class HfGeneration(BaseGeneration):
             params,
             pad_token_id=self.cfg["pad_token_id"],
             processed_logprobs=self.cfg["logprobs_mode"] == "processed",
-            stop_hit=stop_hit,
+            stop_hit=self._stop_hit(params),
             generator=self._generator,
         )
         return assemble_output(
@@ -90,6 +93,79 @@ class HfGeneration(BaseGeneration):
             decoded.lengths,
             self.cfg["pad_token_id"],
         )
+
+    def _stop_hit(self, params: list[SampleParams]) -> Any:
+        def stop_hit(row: int, tokens: list[int]) -> bool:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            return any(s in text for s in params[row].stop_strings)
+
+        return stop_hit
+
+    # ---- streamed samples: one thread decodes every submitted batch, a step of each in turn --
+    def _stream_start(self, requests: list[SampleRequest]) -> None:
+        with self._inbox:
+            self._incoming.append(requests)
+            if self._decoding is None:
+                self._decoding = threading.Thread(target=self._decode_streams, daemon=True, name="rollgen-hf")
+                self._decoding.start()
+            self._inbox.notify_all()
+
+    def _stream_abort(self, keys: list[str]) -> None:
+        with self._inbox:
+            self._aborts.update(keys)
+            self._inbox.notify_all()
+
+    def _decoder(self, requests: list[SampleRequest]) -> Decoder:
+        ids, lengths = right_pad([r.prompt_ids for r in requests], self.cfg["pad_token_id"], torch.long)
+        params = [r.params for r in requests]
+        return Decoder(
+            self.model,
+            ids,
+            lengths,
+            params,
+            pad_token_id=self.cfg["pad_token_id"],
+            processed_logprobs=self.cfg["logprobs_mode"] == "processed",
+            stop_hit=self._stop_hit(params),
+            generator=self._generator,
+        )
+
+    def _decode_streams(self) -> None:
+        cohorts: list[tuple[Decoder, list[str]]] = []
+        while True:
+            with self._inbox:
+                if not cohorts:
+                    self._inbox.wait_for(lambda: bool(self._incoming or self._aborts or self._stopping))
+                if self._stopping:
+                    return
+                incoming, self._incoming = self._incoming, []
+                aborts, self._aborts = self._aborts, set()
+            report: list[FinishedSample] = []
+            try:
+                cohorts += [(self._decoder(r), [q.key for q in r]) for r in incoming]
+                for decoder, keys in cohorts:
+                    stopped = [i for i, k in enumerate(keys) if k in aborts and not decoder.done[i]]
+                    decoder.stop(stopped)
+                    ended = [(i, True) for i in stopped]
+                    if not decoder.finished:
+                        ended += [(i, False) for i in decoder.step()]
+                    report += [
+                        FinishedSample(keys[i], *map(tuple, decoder.row(i)), aborted=a) for i, a in ended
+                    ]
+            except Exception as exc:  # noqa: BLE001 - reported with every sample it ends
+                logger.exception("%s: decoding streamed samples failed", self.name)
+                ended_keys = {f.key for f in report}
+                running = [k for d, keys in cohorts for i, k in enumerate(keys) if not d.done[i]]
+                running += [
+                    q.key for r in incoming for q in r if q.key not in {k for _, ks in cohorts for k in ks}
+                ]
+                report += [
+                    FinishedSample(k, (), (), error=f"{type(exc).__name__}: {exc}")
+                    for k in running
+                    if k not in ended_keys
+                ]
+                cohorts = []
+            cohorts = [(d, k) for d, k in cohorts if not d.finished]
+            self._streams.deliver(report)
 
     def _expected_weights(self) -> WeightSpec:
         return WeightSpec.of_module(self.model)
@@ -108,6 +184,11 @@ class HfGeneration(BaseGeneration):
             self.model.to(self.device)
 
     def _shutdown(self) -> None:
+        with self._inbox:
+            self._stopping = True
+            self._inbox.notify_all()
+        if self._decoding is not None:
+            self._decoding.join()
         del self.model
         gc.collect()
         if self.device.type == "cuda":

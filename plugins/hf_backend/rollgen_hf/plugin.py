@@ -17,6 +17,7 @@ CAPABILITIES = frozenset(
         Capability.SLEEP_WAKE,
         Capability.REFIT_TENSORS,
         Capability.REFIT_COLLECTIVE,
+        Capability.ASYNC,
     }
 )
 

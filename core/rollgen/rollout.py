@@ -1,0 +1,366 @@
+"""Streamed rollouts. ``BaseGeneration.submit`` hands a batch to the engine and returns a
+``Rollout``, which yields each sample's ``SampleResult`` as it finishes (from threads or
+asyncio); more batches may be submitted while earlier ones run. ``Streams`` is the core's book of
+the samples in flight: it stamps every token with the weight version that produced it and carries
+samples through weight updates (``UpdateMode``). Backends only start samples, abort them, and
+report each one's tokens when it ends (``FinishedSample``)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from rollgen.data import BatchedDataDict
+from rollgen.errors import InputError, RollgenError
+from rollgen.output import assemble_from_lists
+from rollgen.sampling import SampleParams
+
+logger = logging.getLogger(__name__)
+
+#: What a weight update does to samples in flight: ``wait`` for them to finish (new samples wait
+#: for the update), ``abort`` them (they end now, ``stop_reason="aborted"``, with the tokens they
+#: have), or ``keep`` them (they continue on the new weights: the engine recomputes their prefix
+#: under the new weights, and their tokens carry both versions).
+UpdateMode = Literal["wait", "abort", "keep"]
+UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One sample as a backend is asked to generate it: ``key`` names it in the backend's
+    reports; ``prompt_ids`` is the prompt (after a ``keep`` update: the prompt and the tokens
+    generated so far)."""
+
+    key: str
+    prompt_ids: tuple[int, ...]
+    params: SampleParams
+
+
+@dataclass(frozen=True)
+class FinishedSample:
+    """A backend's report of one sample that ended: its generated tokens and their logprobs;
+    ``aborted`` when it ended because it was asked to; ``error`` when the engine failed it."""
+
+    key: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    aborted: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """One sample of a rollout. ``versions``: (weight version, index of the first generated
+    token it produced), in order; a sample that ran under one version has one segment."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    stop_reason: str
+    versions: tuple[tuple[int, int], ...]
+
+    def version_at(self, position: int) -> int:
+        """The weight version that produced generated token ``position``."""
+        return [v for v, first in self.versions if first <= position][-1]
+
+
+@dataclass
+class _Sample:
+    rollout: Rollout
+    index: int
+    prompt_ids: tuple[int, ...]
+    params: SampleParams
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[tuple[int, int]] = field(default_factory=list)
+    attempt: int = 0
+    #: Why the core asked the backend to abort it (None: it runs to its end).
+    ending: Literal["cancelled", "aborted", "continue"] | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.rollout.rollout_id}:{self.index}:{self.attempt}"
+
+    def request(self) -> SampleRequest:
+        done = len(self.token_ids)
+        params = dataclasses.replace(self.params, max_new_tokens=self.params.max_new_tokens - done)
+        return SampleRequest(self.key, self.prompt_ids + tuple(self.token_ids), params)
+
+
+class Rollout:
+    """The samples of one submitted batch. Iterate it (``for r in rollout``, or ``async for``)
+    to get each ``SampleResult`` once, in the order they finish; ``wait()`` or ``output()`` for
+    all of them. An engine failure is raised from the iteration once the results before it are
+    taken."""
+
+    _ids = itertools.count()
+
+    def __init__(self, streams: Streams, batch: BatchedDataDict[Any], pad_token_id: int) -> None:
+        self.rollout_id = next(self._ids)
+        self.size = int(batch.size)
+        self._streams = streams
+        self._batch = batch
+        self._pad = pad_token_id
+        self._cond = threading.Condition()
+        self._ready: deque[SampleResult] = deque()
+        self._results: dict[int, SampleResult] = {}
+        self._taken = 0
+        self._error: BaseException | None = None
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    # ---- what the core calls ------------------------------------------------------------------
+    def _put(self, result: SampleResult) -> None:
+        with self._cond:
+            self._results[result.index] = result
+            self._ready.append(result)
+            self._wake()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = self._error or error
+            self._wake()
+
+    def _wake(self) -> None:
+        self._cond.notify_all()
+        for loop, future in self._waiters:
+            loop.call_soon_threadsafe(_resolve, future)
+        self._waiters.clear()
+
+    # ---- the trainer's side -------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        """Whether every sample has finished (or the rollout failed)."""
+        with self._cond:
+            return len(self._results) == self.size or self._error is not None
+
+    def cancel(self, indices: int | Sequence[int] | None = None) -> None:
+        """End the samples ``indices`` (None: all of them) that have not finished: each is
+        yielded with ``stop_reason="cancelled"`` and the tokens it has."""
+        wanted = range(self.size) if indices is None else [indices] if isinstance(indices, int) else indices
+        bad = [i for i in wanted if not 0 <= i < self.size]
+        if bad:
+            raise InputError(f"cancel: sample indices {bad} are not in this rollout of {self.size}", bad)
+        self._streams.cancel(self, list(wanted))
+
+    def _next(self, block: bool) -> SampleResult | None:
+        """The next result; None at the end, or (``block`` False) when none is ready."""
+        with self._cond:
+            while True:
+                if self._ready:
+                    self._taken += 1
+                    return self._ready.popleft()
+                if self._error is not None:
+                    raise self._error
+                if self._taken == self.size or not block:
+                    return None
+                self._cond.wait()
+
+    def __iter__(self) -> Iterator[SampleResult]:
+        while (result := self._next(block=True)) is not None:
+            yield result
+
+    def __aiter__(self) -> AsyncIterator[SampleResult]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[SampleResult]:
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                result = self._next(block=False)
+                if result is None and self._taken == self.size:
+                    return
+                future: asyncio.Future[None] | None = None
+                if result is None:
+                    future = loop.create_future()
+                    self._waiters.append((loop, future))
+            if result is not None:
+                yield result
+            elif future is not None:
+                await future
+
+    def wait(self) -> list[SampleResult]:
+        """Every sample's result, in batch order (waits for them; results already taken from the
+        iteration are included)."""
+        for _ in self:
+            pass
+        with self._cond:
+            return [self._results[i] for i in range(self.size)]
+
+    def output(self) -> BatchedDataDict[Any]:
+        """All results in ``generate``'s layout (GenerationOutputSpec with ``stop_reasons``),
+        plus ``weight_versions``: each sample's version segments."""
+        results = self.wait()
+        out = assemble_from_lists(
+            self._batch["input_ids"],
+            self._batch["input_lengths"],
+            [r.token_ids for r in results],
+            [r.logprobs for r in results],
+            self._pad,
+        )
+        out["stop_reasons"] = [r.stop_reason for r in results]
+        out["weight_versions"] = [r.versions for r in results]
+        return out
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class Streams:
+    """The core's book of streamed samples, between the trainer's calls and a backend's
+    ``start(requests)`` / ``abort(keys)`` hooks; backends report ended samples to ``deliver``
+    (from any thread). ``stop_reason(params, end, tokens)`` names why a sample that ran to its
+    end stopped (``end``: its prompt plus generated tokens)."""
+
+    def __init__(
+        self,
+        start: Callable[[list[SampleRequest]], None],
+        abort: Callable[[list[str]], None],
+        stop_reason: Callable[[SampleParams, int, list[int]], str],
+    ) -> None:
+        self._start, self._abort, self._stop_reason = start, abort, stop_reason
+        self._cond = threading.Condition()
+        self._running: dict[str, _Sample] = {}
+        #: Samples waiting for an update to end before they start (or continue).
+        self._held: list[_Sample] = []
+        self._updating = False
+        #: How many weight updates completed: the version new tokens are made with.
+        self.version = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Samples started or waiting to start, not yet finished."""
+        with self._cond:
+            return len(self._running) + len(self._held)
+
+    def submit(
+        self, rollout: Rollout, prompts: list[tuple[int, ...]], params: Sequence[SampleParams]
+    ) -> None:
+        samples = [_Sample(rollout, i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        with self._cond:
+            if self._updating:
+                self._held.extend(samples)
+                return
+            self._launch(samples)
+
+    def _launch(self, samples: list[_Sample]) -> None:
+        """Start ``samples`` (under the lock), each stamped with the current version."""
+        if not samples:
+            return
+        for s in samples:
+            if s.versions and s.versions[-1][1] == len(s.token_ids):  # it made no token under that one
+                s.versions.pop()
+            if not s.versions or s.versions[-1][0] != self.version:
+                s.versions.append((self.version, len(s.token_ids)))
+            self._running[s.key] = s
+        try:
+            self._start([s.request() for s in samples])
+        except BaseException as exc:
+            for s in samples:
+                self._running.pop(s.key, None)
+                s.rollout._fail(exc)
+            raise
+
+    def cancel(self, rollout: Rollout, indices: list[int]) -> None:
+        wanted = set(indices)
+        with self._cond:
+            held = [s for s in self._held if s.rollout is rollout and s.index in wanted]
+            for s in held:
+                self._held.remove(s)
+                self._finish(s, "cancelled")
+            running = [s for s in self._running.values() if s.rollout is rollout and s.index in wanted]
+            for s in running:
+                s.ending = "cancelled"
+        if running:
+            self._abort([s.key for s in running])
+
+    def deliver(self, finished: Iterable[FinishedSample]) -> None:
+        """A backend's report of samples that ended (keys it was started with)."""
+        with self._cond:
+            for f in finished:
+                sample = self._running.pop(f.key, None)
+                if sample is None:
+                    logger.warning("a backend reported sample %r, which is not running", f.key)
+                    continue
+                sample.token_ids.extend(f.token_ids)
+                sample.logprobs.extend(f.logprobs)
+                if f.error is not None:
+                    sample.rollout._fail(
+                        RollgenError(f"sample {sample.index} failed in the engine: {f.error}")
+                    )
+                elif not f.aborted or sample.ending is None:
+                    end = len(sample.prompt_ids) + len(sample.token_ids)
+                    self._finish(sample, self._stop_reason(sample.params, end, sample.token_ids))
+                elif sample.ending == "continue":
+                    sample.attempt += 1
+                    self._held.append(sample)
+                else:
+                    self._finish(sample, sample.ending)
+            self._cond.notify_all()
+
+    def _finish(self, sample: _Sample, reason: str) -> None:
+        sample.rollout._put(
+            SampleResult(sample.index, sample.token_ids, sample.logprobs, reason, tuple(sample.versions))
+        )
+
+    @contextmanager
+    def update(self, mode: UpdateMode, fresh: Callable[[], bool]) -> Iterator[None]:
+        """Around a weight update: first deal with the samples in flight as ``mode`` says
+        (waiting for the engine to end them), then apply the update in the body, then start the
+        held samples (``keep``: continuing under the new version). An update that fails leaves
+        the version as it was; where it left the engine stale (``fresh()`` False), the samples
+        held for it end ``aborted`` (with the tokens they have)."""
+        if mode not in UPDATE_MODES:
+            raise InputError(f"update mode {mode!r}: use one of {list(UPDATE_MODES)}")
+        with self._cond:
+            self._updating = True
+            running = list(self._running.values())
+            if mode != "wait":
+                for s in running:
+                    s.ending = s.ending or ("aborted" if mode == "abort" else "continue")
+        try:
+            if running and mode != "wait":
+                self._abort([s.key for s in running])
+            with self._cond:
+                self._cond.wait_for(lambda: not self._running)
+            yield
+            with self._cond:
+                self.version += 1
+        finally:
+            with self._cond:
+                self._updating = False
+                held, self._held = self._held, []
+                if not fresh():  # nothing runs on mixed weights
+                    for s in held:
+                        self._finish(s, "aborted")
+                    held = []
+                for s in held:
+                    s.ending = None
+                self._launch(held)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """End every sample (at shutdown): held ones at once, running ones once the engine
+        reports them (or fails them after ``timeout_s``), all ``aborted``."""
+        with self._cond:
+            for s in self._held:
+                self._finish(s, "aborted")
+            self._held = []
+            running = list(self._running.values())
+            for s in running:
+                s.ending = "aborted"
+        if running:
+            self._abort([s.key for s in running])
+            with self._cond:
+                if not self._cond.wait_for(lambda: not self._running, timeout_s):
+                    for s in self._running.values():
+                        s.rollout._fail(RollgenError("the engine shut down before it ended this sample"))
+                    self._running.clear()
