@@ -20,11 +20,13 @@ import torch
 
 from rollgen.base import BaseGeneration
 from rollgen.data import BatchedDataDict
+from rollgen.distributed.dispatch import SampleDispatcher
 from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec, running
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
 from rollgen.errors import ConfigError
 from rollgen.refit import WeightBucket, WeightSpec, dtype_name
+from rollgen.rollout import SampleRequest
 from rollgen.weight_sync import SyncGroupSpec
 
 logger = logging.getLogger(__name__)
@@ -159,6 +161,9 @@ class RayGeneration(BaseGeneration):
                 leader_resources=leader_resources(cluster, tp, self.use_gpus),
             )
             self.engine_info = self.group.call_all(EngineWorker.ready)
+            self._dispatcher = SampleDispatcher(
+                self.group, [info["capacity"] for info in self.engine_info], self._streams.deliver
+            )
             on_failure.pop_all()
         logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, self.engine_info[0])
 
@@ -199,6 +204,12 @@ class RayGeneration(BaseGeneration):
         requests = GenerateRequest.shards(batch, self.sample_params(batch, greedy), self.dp_size)
         results = self.group.call_sharded(EngineWorker.generate, requests)
         return BatchedDataDict.from_batches(results, pad_value_dict={"output_ids": self.cfg["pad_token_id"]})
+
+    def _stream_start(self, requests: list[SampleRequest]) -> None:
+        self._dispatcher.start(requests)
+
+    def _stream_abort(self, keys: list[str]) -> None:
+        self._dispatcher.abort(keys)
 
     def _apply_bucket(self, bucket: WeightBucket) -> None:
         # one pickle per leader: shared-memory handles are made per receiver
@@ -249,6 +260,9 @@ class RayGeneration(BaseGeneration):
         self._release()
 
     def _release(self) -> None:
+        dispatcher = getattr(self, "_dispatcher", None)
+        if dispatcher is not None:
+            dispatcher.close()
         group = getattr(self, "group", None)
         if group is not None:
             group.shutdown(EngineWorker.shutdown)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+import ray
 import torch
 
 from rollgen.data import BatchedDataDict, unpad
@@ -24,6 +25,7 @@ from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.errors import RollgenError
 from rollgen.output import assemble_from_lists
 from rollgen.refit import WeightBucket, WeightSpec
+from rollgen.rollout import FinishedSample, SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.weight_sync import SyncGroupSpec
 
@@ -92,6 +94,12 @@ class EngineWorker(ABC):
     methods; an engine implements the ``_``-prefixed hooks. Sleep and wake are no-ops unless
     the spec enables sleep mode; ``shutdown`` runs the engine's stop once.
 
+    Streamed samples (``start_samples``, ``abort_samples``, ``poll``) are decoded by a thread of
+    the worker that steps the engine (``_add_samples``, ``_step``, ``_abort_samples``) while it
+    has any; ``poll`` runs in a concurrency group of its own (``results``), so it waits for ended
+    samples while the other calls run. The core never refits, sleeps or runs ``generate`` while
+    samples stream.
+
     The engine's own processes (those of this actor's descendants whose command line starts
     with one of ``engine_processes``) are watched from a thread: if one ends while the engine
     runs, the worker logs which and exits, so the driver's next or pending call fails at once
@@ -102,10 +110,17 @@ class EngineWorker(ABC):
     engine_processes: ClassVar[tuple[str, ...]] = ()
     #: Seconds between two looks at the engine's processes.
     watch_interval_s: ClassVar[float] = 1.0
+    #: Ray concurrency groups beside the default one (of one thread): ``poll`` waits in its own.
+    concurrency_groups: ClassVar[dict[str, int]] = {"results": 1}
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self._stopped = False
+        self._mailbox = threading.Condition()
+        self._to_start: list[SampleRequest] = []
+        self._to_abort: set[str] = set()
+        self._ended: list[FinishedSample] = []
+        self._streaming: threading.Thread | None = None
         self._start()
         watched = {
             pid: cmd for pid, cmd in descendants(os.getpid()).items() if cmd.startswith(self.engine_processes)
@@ -132,12 +147,11 @@ class EngineWorker(ABC):
     def ready(self) -> dict[str, Any]:
         """What the engine reports of itself once started (versions, ...), and where this
         worker's process runs (``node``, ``pid``)."""
-        import ray
-
         return {
             "node": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
             "devices": self._devices() if self.spec.use_gpus else [],
+            "capacity": self._capacity(),
             **self._describe(),
         }
 
@@ -182,8 +196,74 @@ class EngineWorker(ABC):
 
     def shutdown(self) -> None:
         if not self._stopped:
-            self._stopped = True
+            with self._mailbox:
+                self._stopped = True
+                self._mailbox.notify_all()
+            if self._streaming is not None:
+                self._streaming.join()
             self._stop()
+
+    # ---- streamed samples -----------------------------------------------------------------------
+    def start_samples(self, requests: list[SampleRequest]) -> None:
+        """Start decoding ``requests`` (returns at once; ``poll`` reports them as they end)."""
+        with self._mailbox:
+            self._to_start.extend(requests)
+            if self._streaming is None:
+                self._streaming = threading.Thread(target=self._stream, daemon=True, name="rollgen-stream")
+                self._streaming.start()
+            self._mailbox.notify_all()
+
+    def abort_samples(self, keys: list[str]) -> None:
+        """End the samples ``keys`` that still run (each reported aborted, with its tokens)."""
+        with self._mailbox:
+            self._to_abort.update(keys)
+            self._mailbox.notify_all()
+
+    @ray.method(concurrency_group="results")  # type: ignore[untyped-decorator]
+    def poll(self, timeout_s: float) -> list[FinishedSample]:
+        """The samples that ended since the last poll (waits up to ``timeout_s`` for one)."""
+        with self._mailbox:
+            self._mailbox.wait_for(lambda: bool(self._ended), timeout_s)
+            ended, self._ended = self._ended, []
+        return ended
+
+    def _stream(self) -> None:
+        """The decoding thread: start, abort and step until every sample has ended, then wait."""
+        running: dict[str, tuple[list[int], list[float]]] = {}
+        while True:
+            with self._mailbox:
+                if not running:
+                    self._mailbox.wait_for(lambda: bool(self._to_start or self._to_abort or self._stopped))
+                if self._stopped:
+                    return
+                starts, self._to_start = self._to_start, []
+                aborts, self._to_abort = self._to_abort, set()
+            ended: list[FinishedSample] = []
+            try:
+                if starts:
+                    self._add_samples(starts)
+                    running.update({r.key: ([], []) for r in starts})
+                hit = [k for k in aborts if k in running]
+                if hit:
+                    self._abort_samples(hit)
+                    ended += [FinishedSample(k, *_tuples(running.pop(k)), aborted=True) for k in hit]
+                for key, tokens, logprobs, finished in self._step() if running else []:
+                    if key in running:
+                        running[key][0].extend(tokens)
+                        running[key][1].extend(logprobs)
+                        if finished:
+                            ended.append(FinishedSample(key, *_tuples(running.pop(key))))
+            except Exception as exc:  # noqa: BLE001 - reported with every sample it ends
+                logger.exception("engine %d: decoding streamed samples failed", self.spec.index)
+                error = f"{type(exc).__name__}: {exc}"
+                ended += [
+                    FinishedSample(k, tuple(t), tuple(lp), error=error) for k, (t, lp) in running.items()
+                ]
+                running.clear()
+            if ended:
+                with self._mailbox:
+                    self._ended += ended
+                    self._mailbox.notify_all()
 
     # ---- engine hooks -------------------------------------------------------------------------
     @abstractmethod
@@ -207,6 +287,23 @@ class EngineWorker(ABC):
     @abstractmethod
     def _reset_prefix_cache(self) -> None:
         """Drop every cached prefix."""
+
+    def _capacity(self) -> int:
+        """How many streamed samples the engine decodes at once (more wait on the driver, for an
+        engine that frees up first)."""
+        return 256
+
+    def _add_samples(self, requests: list[SampleRequest]) -> None:
+        """Add streamed samples to the engine (keyed by ``SampleRequest.key``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream samples (async)")
+
+    def _abort_samples(self, keys: list[str]) -> None:
+        """Remove running samples from the engine."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream samples (async)")
+
+    def _step(self) -> list[tuple[str, list[int], list[float], bool]]:
+        """One engine step: (key, new tokens, their logprobs, ended) of each sample it moved."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream samples (async)")
 
     def _devices(self) -> list[str]:
         """UUIDs of the GPUs of this engine's ranks (CUDA IPC refits are checked against them
@@ -235,6 +332,10 @@ class EngineWorker(ABC):
     @abstractmethod
     def _stop(self) -> None:
         """Stop the engine and its processes."""
+
+
+def _tuples(sample: tuple[list[int], list[float]]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    return tuple(sample[0]), tuple(sample[1])
 
 
 #: The key of the value a ``returns_errors`` method returns in place of raising.

@@ -53,7 +53,9 @@ class RayWorkerBuilder:
     def build(self, options: dict[str, Any], group: TiedGroup, index: int) -> Any:
         module, _, name = self.cls_path.partition(":")
         cls = getattr(importlib.import_module(module), name)
-        return ray.remote(cls).options(**options).remote(*self.args(group, index))
+        # a class's concurrency groups (beside the default one) are set where it becomes an actor
+        remote = ray.remote(concurrency_groups=getattr(cls, "concurrency_groups", None))(cls)  # type: ignore[call-overload]
+        return remote.options(**options).remote(*self.args(group, index))
 
 
 class RayWorkerGroup:

@@ -21,6 +21,7 @@ CAPABILITIES = frozenset(
         Capability.REFIT_IPC,
         Capability.TENSOR_PARALLEL,
         Capability.DATA_PARALLEL,
+        Capability.ASYNC,
     }
 )
 

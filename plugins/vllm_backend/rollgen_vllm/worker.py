@@ -13,6 +13,7 @@ from typing import Any
 from rollgen.distributed.worker import EngineWorker, WorkerSpec, reraise
 from rollgen.errors import RollgenError
 from rollgen.refit import WeightBucket, WeightSpec
+from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.weight_sync import SyncGroupSpec
 from rollgen_vllm import logs
@@ -63,12 +64,15 @@ def _top_k_off() -> int:
     return int(vllm.SamplingParams().top_k)
 
 
-def sampling_params(samples: Sequence[SampleParams]) -> list[Any]:
+def sampling_params(samples: Sequence[SampleParams], stream: bool = False) -> list[Any]:
     """One ``vllm.SamplingParams`` per sample, asking for the sampled token's logprob (in vLLM's
-    flat layout where this vLLM has it)."""
+    flat layout where this vLLM has it); ``stream``: each step's new tokens reported."""
     import vllm
+    from vllm.sampling_params import RequestOutputKind
 
-    extra = {"flat_logprobs": True} if flat_logprobs_supported() else {}
+    extra: dict[str, Any] = {"flat_logprobs": True} if flat_logprobs_supported() else {}
+    if stream:
+        extra["output_kind"] = RequestOutputKind.DELTA
     top_k_off = _top_k_off()
     return [
         vllm.SamplingParams(
@@ -138,6 +142,27 @@ class VllmWorker(EngineWorker):
         )
         completions = [o.outputs[0] for o in outputs]
         return [list(c.token_ids) for c in completions], [self._logprobs(c) for c in completions]
+
+    def _capacity(self) -> int:
+        return int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+
+    def _add_samples(self, requests: list[SampleRequest]) -> None:
+        engine = self.llm.llm_engine
+        for request, params in zip(requests, sampling_params([r.params for r in requests], stream=True)):
+            engine.add_request(request.key, {"prompt_token_ids": list(request.prompt_ids)}, params)
+
+    def _abort_samples(self, keys: list[str]) -> None:
+        self.llm.llm_engine.abort_request(keys)
+
+    def _step(self) -> list[tuple[str, list[int], list[float], bool]]:
+        moved = []
+        for output in self.llm.llm_engine.step():
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            moved.append(
+                (output.request_id, tokens, self._logprobs(completion) if tokens else [], output.finished)
+            )
+        return moved
 
     def _logprobs(self, completion: Any) -> list[float]:
         lps = completion.logprobs
