@@ -16,6 +16,10 @@ to spend less device time on start-ups.
                                                     # arguments / SamplingParams, beside rollgen
     python -m benchmarks.vllm_gpu --part profile   # one GPU: the engine core's CPU profile
                                                     # during a generate, raw vLLM and rollgen
+    python -m benchmarks.vllm_gpu --part async     # DP=2 (on one GPU, or two with --gpus 2):
+                                                    # streamed rollouts against fixed-batch
+                                                    # generate on a long-tail workload
+                                                    # (benchmarks/long_tail.py); keep-mode refit
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 
 import rollgen
-from benchmarks import collective, cpu_profile, refit, scaling, sleep_wake, throughput
+from benchmarks import collective, cpu_profile, long_tail, refit, scaling, sleep_wake, throughput
 from benchmarks.common import (
     GEN,
     PROMPT,
@@ -40,6 +44,7 @@ from benchmarks.common import (
     in_actor,
     print_table,
     qwen25_1p5b_dir,
+    random_prompts,
     rollgen_generate,
     save_all,
     timed_call,
@@ -444,6 +449,39 @@ def scaling_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     return results
 
 
+def async_part(args: argparse.Namespace, model: str) -> dict[str, list]:
+    """rollgen with DP=2 (CUDA graphs): ``--samples`` prompts with log-normal budgets, fixed
+    batches of ``--batch`` through ``generate`` against chunks of ``--chunk`` streamed with
+    ``--batch`` in flight; then a keep-mode refit while a window streams."""
+    share = 1.0 if args.gpus == 2 else GPU_SHARE
+    config = rollgen_config(model, False, args.util, gpus_per_bundle=share, data_parallel_size=2)
+    config["vllm_kwargs"]["max_num_seqs"] = args.batch // 2  # both methods: the same concurrency
+    gen: Any = rollgen.create_generation(config)
+    budget = long_tail.budgets(args.samples, args.median, args.sigma, args.cap)
+    batch = long_tail.long_tail_batch(random_prompts(args.samples, PROMPT, QWEN25_1P5B["vocab_size"]), budget)
+    contestants = {
+        "generate": long_tail.synchronous(gen, batch, args.batch),
+        "streaming": long_tail.streaming(gen, batch, args.chunk, args.batch),
+    }
+    rows = long_tail.measure(contestants, args.samples, args.repeats, long_tail.GpuBusy())
+    for row in rows:
+        row.update(
+            budget_median=float(budget.median()),
+            budget_max=int(budget.max()),
+            budget_mean=float(budget.float().mean()),
+        )
+    print_table(rows, [*long_tail.COLUMNS, "speedup"])
+    results: dict[str, list] = {"long_tail": rows}
+    save(args, results)
+    state = refit.random_state(gen.weight_spec, engine_device(gen))
+    window = {k: v[: args.batch] for k, v in batch.items()}
+    pause = [long_tail.keep_refit_pause(gen, state, window, args.batch // 8, args.repeats)]
+    print_table(pause, ["samples", "refit_idle_ms", "refit_keep_ms", "pause_ms", "samples_cut"])
+    results["keep_refit"] = pause
+    gen.shutdown()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -467,6 +505,12 @@ def main() -> None:
         choices=COMBINED,
         help="ablation part, without --each-arg (none: raw vLLM in an actor against rollgen only)",
     )
+    parser.add_argument("--samples", type=int, default=1024, help="async part: prompts in all")
+    parser.add_argument("--chunk", type=int, default=128, help="async part: prompts per submit")
+    parser.add_argument("--median", type=int, default=192, help="async part: median output budget")
+    parser.add_argument("--sigma", type=float, default=1.0, help="async part: log-normal spread")
+    parser.add_argument("--cap", type=int, default=2048, help="async part: longest output budget")
+    parser.add_argument("--gpus", type=int, default=1, choices=[1, 2], help="async part: GPUs for DP=2")
     parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the driver also runs Ray
@@ -486,6 +530,7 @@ PARTS: dict[str, Callable[[argparse.Namespace, str], dict[str, list]]] = {
     "scaling": scaling_part,
     "ablation": ablation,
     "profile": profile_part,
+    "async": async_part,
 }
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from functools import partial
 import pytest
 import torch
 
-from benchmarks import common, refit, scaling, throughput
+from benchmarks import common, long_tail, refit, scaling, throughput
 from benchmarks.common import PROMPT, rollgen_generate, save_all, workload_batch
 from rollgen.distributed.virtual_cluster import init_ray
 
@@ -291,3 +291,28 @@ def test_soak_cycles_report_memory_and_output_drift(hf_config: dict, model_dir: 
         row = soak.soak(gen, batch, load_reference_model(model_dir), cycles=3)
     assert row["cycles"] == 3 and row["cycles_differing"] == 0, row
     assert row["rss_from_cycle"] == 1 and row["driver_rss_mb_3"] > 0 and "driver_rss_growth_pct" in row
+
+
+def test_long_tail_methods_generate_the_same_tokens_on_hf(hf_config: dict) -> None:
+    """Fixed batches and streaming with a window run the same budgets to their ends (greedy on the
+    hf engine: the same token count); the keep-mode refit is timed loaded and idle."""
+    import rollgen
+
+    budget = long_tail.budgets(12, median=6, sigma=1.0, cap=24)
+    assert budget.min() >= 4 and budget.max() <= 24 and len(set(budget.tolist())) > 3
+    prompts = torch.randint(10, 200, (12, 5), generator=torch.Generator().manual_seed(0))
+    batch = long_tail.long_tail_batch(prompts, budget)
+    assert [len(c["input_ids"]) for c in long_tail.chunks(batch, 5)] == [5, 5, 2]
+    with rollgen.create_generation({**hf_config, "seed": None}) as gen:
+        greedy = {**batch, "temperature": torch.zeros(12)}
+        contestants = {
+            "generate": long_tail.synchronous(gen, greedy, 5),
+            "streaming": long_tail.streaming(gen, greedy, 3, 6),
+        }
+        rows = long_tail.measure(contestants, 12, repeats=2, gpu=None)
+        assert rows[0]["tokens"] == rows[1]["tokens"] > 0
+        assert rows[0]["speedup"] == 1.0 and rows[1]["gpu_busy"] is None
+        state = {k: v.clone() for k, v in gen.model.state_dict().items()}
+        pause = long_tail.keep_refit_pause(gen, state, greedy, first=2, repeats=1)
+        assert pause["samples"] == 12 and pause["refit_keep_ms"] > 0 and pause["refit_idle_ms"] > 0
+        assert gen.weight_version == 2  # the idle refit and the keep-mode one
