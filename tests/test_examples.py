@@ -1,4 +1,4 @@
-"""The refit examples that run on CPU, run as a user runs them (docs/contract.md shows them)."""
+"""The examples that run on CPU, run as a user runs them (docs/contract.md shows them)."""
 
 import json
 import subprocess
@@ -21,3 +21,24 @@ def test_a_refit_example_runs_and_the_engine_follows_the_trainer(example: str) -
     assert run.returncode == 0, run.stderr[-3000:]
     logprobs = [json.loads(line[line.index("[") :]) for line in run.stdout.splitlines() if "logprobs" in line]
     assert len(logprobs) == 2 and logprobs[0] != logprobs[1], run.stdout  # the new weights are served
+
+
+def test_the_async_example_refits_while_samples_run() -> None:
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "async_rollouts.py"),
+            "--backend",
+            "hf",
+            "--samples",
+            "12",
+            "--step",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "refit to weight version 2 after 8 samples" in run.stdout, run.stdout
+    assert "samples 12," in run.stdout, run.stdout

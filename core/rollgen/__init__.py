@@ -15,6 +15,7 @@ from rollgen.errors import (
     PluginError,
     RefitError,
     RollgenError,
+    RolloutsInFlight,
     StaleWeights,
     UnsupportedCapability,
     WorkerError,
@@ -24,6 +25,7 @@ from rollgen.interface import GenerationInterface
 from rollgen.output import generated_mask
 from rollgen.refit import WeightBucket, iter_buckets, merge_buckets, pack_bucket
 from rollgen.registry import get_registry
+from rollgen.rollout import Rollout, SampleResult, UpdateMode
 from rollgen.spec import (
     SPEC_VERSION,
     Capability,
@@ -55,9 +57,13 @@ __all__ = [
     "PluginError",
     "RefitError",
     "RollgenError",
+    "Rollout",
+    "RolloutsInFlight",
+    "SampleResult",
     "StaleWeights",
     "SyncGroupSpec",
     "UnsupportedCapability",
+    "UpdateMode",
     "WeightBucket",
     "WeightSender",
     "WorkerError",
