@@ -256,10 +256,16 @@ class EngineWorker(ABC):
             except Exception as exc:  # noqa: BLE001 - reported with every sample it ends
                 logger.exception("engine %d: decoding streamed samples failed", self.spec.index)
                 error = f"{type(exc).__name__}: {exc}"
+                reported = {f.key for f in ended}
+                lost: dict[str, tuple[list[int], list[float]]] = {r.key: ([], []) for r in starts} | running
                 ended += [
-                    FinishedSample(k, tuple(t), tuple(lp), error=error) for k, (t, lp) in running.items()
+                    FinishedSample(k, *_tuples(s), error=error) for k, s in lost.items() if k not in reported
                 ]
                 running.clear()
+                try:  # the engine may still hold some of them
+                    self._abort_samples(list(lost))
+                except Exception:  # noqa: BLE001 - the error above is the one reported
+                    logger.debug("engine %d: could not abort the failed samples", self.spec.index)
             if ended:
                 with self._mailbox:
                     self._ended += ended
