@@ -150,3 +150,19 @@ def test_a_bad_spec_is_a_refit_error() -> None:
         SyncGroupSpec("127.0.0.1", 1, 2, "mpi")  # type: ignore[arg-type]
     with pytest.raises(RefitError, match="at least one engine rank"):
         SyncGroupSpec("127.0.0.1", 1, 1)
+
+
+def test_an_nccl_group_with_two_ranks_on_one_gpu_is_refused_before_anyone_joins(
+    hf_config: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NCCL refuses (or hangs on) two ranks of one group on one GPU: two engines sharing a GPU
+    is a RefitError naming it, before any rank joins (engine GPUs faked: this machine has none)."""
+    import rollgen
+    from rollgen_hf.generation import HfGeneration
+
+    monkeypatch.setattr(HfGeneration, "engine_devices", property(lambda self: ("GPU-a", "GPU-a")))
+    with rollgen.create_generation(hf_config) as gen:
+        spec = SyncGroupSpec("127.0.0.1", 29999, 2, "nccl", 5.0)
+        with pytest.raises(RefitError, match=r"GPU\(s\) \['GPU-a'\]"):
+            gen.init_weight_sync(spec)
+        assert gen.weight_sync is None

@@ -563,6 +563,8 @@ class BaseGeneration(ABC):
                 f"{self.name} runs its engine in this process: refit() here copies the weights directly; "
                 "a weight-sync group is for a trainer in another process (local_sender=False)"
             )
+        if spec.backend == "nccl":
+            self._check_nccl_devices(local_sender)
         sender = None
         if local_sender:
             sender = WeightSender(spec)  # hosts the group's store (port 0: a free one) at once
@@ -572,6 +574,20 @@ class BaseGeneration(ABC):
             sender.connect()
         joined()
         self.weight_sync, self._sender = spec, sender
+
+    def _check_nccl_devices(self, local_sender: bool) -> None:
+        """RefitError unless every rank of an NCCL group would have a GPU of its own (NCCL
+        refuses, or hangs on, two ranks of one group on one GPU)."""
+        devices = list(self.engine_devices)
+        if local_sender and torch.cuda.is_available():
+            devices.append(refit_mod.device_uuid())
+        shared = sorted({d for d in devices if devices.count(d) > 1})
+        if shared:
+            raise RefitError(
+                f"{self.name}: an NCCL weight-sync group needs a GPU per rank, but GPU(s) {shared} would "
+                "hold two (an engine rank and the sender, or two engines sharing a GPU). Colocated: "
+                "refit() over CUDA IPC, without a group; else backend='gloo' or other GPUs"
+            )
 
     @serialised
     def update_weights_from_collective(self, *, mode: UpdateMode = "wait") -> None:
