@@ -131,7 +131,10 @@ class Rollout:
     def _wake(self) -> None:
         self._cond.notify_all()
         for loop, future in self._waiters:
-            loop.call_soon_threadsafe(_resolve, future)
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:  # its loop closed while it waited: nobody is waiting there now
+                logger.debug("rollout %d: a waiter's event loop is closed", self.rollout_id)
         self._waiters.clear()
 
     # ---- the trainer's side -------------------------------------------------------------------
@@ -184,7 +187,12 @@ class Rollout:
             if result is not None:
                 yield result
             elif future is not None:
-                await future
+                try:
+                    await future
+                finally:  # a cancelled wait leaves no waiter behind
+                    with self._cond:
+                        if (loop, future) in self._waiters:
+                            self._waiters.remove((loop, future))
 
     def wait(self) -> list[SampleResult]:
         """Every sample's result, in batch order (waits for them; results already taken from the
@@ -291,26 +299,36 @@ class Streams:
                 if sample is None:
                     logger.warning("a backend reported sample %r, which is not running", f.key)
                     continue
-                sample.token_ids.extend(f.token_ids)
-                sample.logprobs.extend(f.logprobs)
-                if f.error is not None:
-                    sample.rollout._fail(
-                        RollgenError(f"sample {sample.index} failed in the engine: {f.error}")
-                    )
-                elif not f.aborted or sample.ending is None:
-                    end = len(sample.prompt_ids) + len(sample.token_ids)
-                    self._finish(sample, self._stop_reason(sample.params, end, sample.token_ids))
-                elif sample.ending == "continue":
-                    sample.attempt += 1
-                    self._held.append(sample)
-                else:
-                    self._finish(sample, sample.ending)
+                try:
+                    self._ended(sample, f)
+                except Exception as exc:  # noqa: BLE001 - this sample's rollout raises it; the others go on
+                    logger.exception("sample %s: its end could not be recorded", f.key)
+                    sample.rollout._fail(exc)
             self._cond.notify_all()
 
-    def _finish(self, sample: _Sample, reason: str) -> None:
-        sample.rollout._put(
-            SampleResult(sample.index, sample.token_ids, sample.logprobs, reason, tuple(sample.versions))
+    def _ended(self, sample: _Sample, f: FinishedSample) -> None:
+        sample.token_ids.extend(f.token_ids)
+        sample.logprobs.extend(f.logprobs)
+        tokens, params = sample.token_ids, sample.params
+        # a sample that reached its end as it was stopped has nothing left to continue
+        complete = len(tokens) >= params.max_new_tokens or bool(
+            tokens and tokens[-1] in params.stop_token_ids
         )
+        if f.error is not None:
+            sample.rollout._fail(RollgenError(f"sample {sample.index} failed in the engine: {f.error}"))
+        elif not f.aborted or sample.ending is None or (complete and sample.ending == "continue"):
+            end = len(sample.prompt_ids) + len(tokens)
+            self._finish(sample, self._stop_reason(params, end, tokens))
+        elif sample.ending == "continue":
+            sample.attempt += 1
+            self._held.append(sample)
+        else:
+            self._finish(sample, sample.ending)
+
+    def _finish(self, sample: _Sample, reason: str) -> None:
+        # a sample that never started is stamped with the version it would have run under
+        versions = tuple(sample.versions) or ((self.version, 0),)
+        sample.rollout._put(SampleResult(sample.index, sample.token_ids, sample.logprobs, reason, versions))
 
     @contextmanager
     def update(self, mode: UpdateMode, fresh: Callable[[], bool]) -> Iterator[None]:
