@@ -112,6 +112,12 @@ class Decoder:
         n = int(self.lengths[i])
         return self.tokens[i, :n].tolist(), self.logprobs[i, :n].tolist()
 
+    def run(self) -> Decoded:
+        """Decode every row to its end."""
+        while not self.finished:
+            self.step()
+        return Decoded(self.tokens, self.logprobs, self.lengths)
+
     @torch.no_grad()
     def step(self) -> list[int]:
         """Choose one token for every running row; returns the rows that ended with it."""
@@ -154,30 +160,3 @@ class Decoder:
             self.past, self.logits = out.past_key_values, out.logits[:, -1].float()
             self.next_pos = self.next_pos + 1
         return (active & self.done).nonzero().flatten().tolist()
-
-
-def decode(
-    model: Any,
-    input_ids: torch.Tensor,
-    input_lengths: torch.Tensor,
-    params: Sequence[SampleParams],
-    *,
-    pad_token_id: int,
-    processed_logprobs: bool,
-    stop_hit: Callable[[int, list[int]], bool],
-    generator: torch.Generator | None,
-) -> Decoded:
-    """Decode every row to its end (``Decoder``)."""
-    decoder = Decoder(
-        model,
-        input_ids,
-        input_lengths,
-        params,
-        pad_token_id=pad_token_id,
-        processed_logprobs=processed_logprobs,
-        stop_hit=stop_hit,
-        generator=generator,
-    )
-    while not decoder.finished:
-        decoder.step()
-    return Decoded(decoder.tokens, decoder.logprobs, decoder.lengths)

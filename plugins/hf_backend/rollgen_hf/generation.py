@@ -18,7 +18,7 @@ from rollgen.output import assemble_output
 from rollgen.refit import WeightBucket, WeightSpec, device_uuid, load_into_module
 from rollgen.rollout import FinishedSample, SampleRequest
 from rollgen.sampling import SampleParams
-from rollgen_hf.decode import Decoder, decode
+from rollgen_hf.decode import Decoder
 
 logger = logging.getLogger(__name__)
 
@@ -75,16 +75,7 @@ class HfGeneration(BaseGeneration):
 
     def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
         params = self.sample_params(batch, greedy)
-        decoded = decode(
-            self.model,
-            batch["input_ids"],
-            batch["input_lengths"],
-            params,
-            pad_token_id=self.cfg["pad_token_id"],
-            processed_logprobs=self.cfg["logprobs_mode"] == "processed",
-            stop_hit=self._stop_hit(params),
-            generator=self._generator,
-        )
+        decoded = self._decoder(batch["input_ids"], batch["input_lengths"], params).run()
         return assemble_output(
             batch["input_ids"],
             batch["input_lengths"],
@@ -115,19 +106,23 @@ class HfGeneration(BaseGeneration):
             self._aborts.update(keys)
             self._inbox.notify_all()
 
-    def _decoder(self, requests: list[SampleRequest]) -> Decoder:
-        ids, lengths = right_pad([r.prompt_ids for r in requests], self.cfg["pad_token_id"], torch.long)
-        params = [r.params for r in requests]
+    def _decoder(
+        self, input_ids: torch.Tensor, input_lengths: torch.Tensor, params: list[SampleParams]
+    ) -> Decoder:
         return Decoder(
             self.model,
-            ids,
-            lengths,
+            input_ids,
+            input_lengths,
             params,
             pad_token_id=self.cfg["pad_token_id"],
             processed_logprobs=self.cfg["logprobs_mode"] == "processed",
             stop_hit=self._stop_hit(params),
             generator=self._generator,
         )
+
+    def _cohort(self, requests: list[SampleRequest]) -> Decoder:
+        ids, lengths = right_pad([r.prompt_ids for r in requests], self.cfg["pad_token_id"], torch.long)
+        return self._decoder(ids, lengths, [r.params for r in requests])
 
     def _decode_streams(self) -> None:
         cohorts: list[tuple[Decoder, list[str]]] = []
@@ -141,7 +136,7 @@ class HfGeneration(BaseGeneration):
                 aborts, self._aborts = self._aborts, set()
             report: list[FinishedSample] = []
             try:
-                cohorts += [(self._decoder(r), [q.key for q in r]) for r in incoming]
+                cohorts += [(self._cohort(r), [q.key for q in r]) for r in incoming]
                 for decoder, keys in cohorts:
                     stopped = [i for i, k in enumerate(keys) if k in aborts and not decoder.done[i]]
                     decoder.stop(stopped)
