@@ -911,36 +911,3 @@ def test_hf_generate_raises_while_a_rollout_is_in_flight(hf_engine: Any) -> None
     expected = engine.generate(batch, greedy=True)
     assert expected["output_ids"][0, 3 : 3 + len(result.token_ids)].tolist() == result.token_ids
     assert expected["stop_reasons"] == [result.stop_reason]
-
-
-def test_a_kept_sample_that_ended_as_it_was_cut_is_finished_not_continued() -> None:
-    """An engine may report a sample it was asked to cut with its last token an EOS or its
-    budget spent (a race between its last step and the abort): there is nothing to continue."""
-    backend = StandInBackend()
-    rollout, (eos_req, full_req, open_req) = backend.submit([(5,), (6,), (7,)], max_new_tokens=3)
-    backend.on_abort = lambda keys: [
-        backend.finish(r, t, aborted=True)
-        for r, t in ((eos_req, [9, EOS]), (full_req, [9, 9, 9]), (open_req, [9]))
-    ]
-    started = len(backend.started)
-    update_in_thread(backend.book, "keep").result()
-    assert [r.prompt_ids for r in backend.started[started:]] == [(7, 9)]  # only the open one goes on
-    results = {r.index: r for r in drain(rollout)[:2]}
-    assert results[0].stop_reason == "eos" and results[1].stop_reason == "length"
-    assert results[0].versions == results[1].versions == ((0, 0),)
-
-
-def test_a_sample_cancelled_before_it_started_has_the_version_it_would_have_run_under() -> None:
-    backend = StandInBackend()
-    running, (request,) = backend.submit([(5,)])
-    blocked = update_in_thread(backend.book, "wait")
-    assert blocked.still_blocked()  # the update waits for the running sample
-    held, started = backend.submit([(6,)])
-    assert started == []  # held until the update ends
-    held.cancel()
-    (result,) = drain(held)
-    assert result.stop_reason == "cancelled" and result.token_ids == [] and result.versions == ((0, 0),)
-    assert result.version_at(0) == 0
-    backend.finish(request, [9, EOS])
-    blocked.result()
-    assert backend.book.version == 1
