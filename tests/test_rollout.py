@@ -8,7 +8,6 @@ with Events and Conditions, and a join with a timeout is only ever a safety net.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -176,15 +175,22 @@ def update_in_thread(
 
 
 def drain(rollout: Rollout) -> list[SampleResult]:
-    """Iterate ``rollout`` to its end (each result must be delivered already), stopping after
-    one result more than it has should the iteration not end."""
-    return list(itertools.islice(rollout, rollout.size + 1))
+    """The results of ``rollout`` not yet taken, to its end. Each must be delivered already: a
+    sample still in flight fails the test here rather than blocking it."""
+    results = rollout_take(rollout, rollout.size - rollout._taken)
+    assert rollout._next(block=False) is None, "a rollout yielded more results than it has samples"
+    return results
 
 
 def rollout_take(rollout: Rollout, count: int) -> list[SampleResult]:
-    """The next ``count`` results of ``rollout`` (each must be delivered already)."""
-    it = iter(rollout)
-    return [next(it) for _ in range(count)]
+    """The next ``count`` results of ``rollout``. Each must be delivered already: one that is not
+    fails the test here rather than blocking it (``Rollout``'s own iteration waits for it)."""
+    results: list[SampleResult] = []
+    for _ in range(count):
+        result = rollout._next(block=False)
+        assert result is not None, f"only {len(results)} of {count} results were delivered"
+        results.append(result)
+    return results
 
 
 def by_prompt(requests: Sequence[SampleRequest]) -> dict[tuple[int, ...], SampleRequest]:
@@ -911,3 +917,49 @@ def test_hf_generate_raises_while_a_rollout_is_in_flight(hf_engine: Any) -> None
     expected = engine.generate(batch, greedy=True)
     assert expected["output_ids"][0, 3 : 3 + len(result.token_ids)].tolist() == result.token_ids
     assert expected["stop_reasons"] == [result.stop_reason]
+
+
+def test_a_kept_sample_that_ended_as_it_was_cut_is_finished_not_continued() -> None:
+    """An engine may report a sample it was asked to cut with its last token an EOS or its
+    budget spent (a race between its last step and the abort): there is nothing to continue."""
+    backend = StandInBackend()
+    rollout, (eos_req, full_req, open_req) = backend.submit([(5,), (6,), (7,)], max_new_tokens=3)
+
+    def cut_all(keys: list[str]) -> None:
+        for r, t in ((eos_req, [9, EOS]), (full_req, [9, 9, 9]), (open_req, [9])):
+            backend.finish(r, t, aborted=True)
+
+    backend.on_abort = cut_all
+    started = len(backend.started)
+    update_in_thread(backend.book, "keep").result()
+    (open2,) = backend.started[started:]
+    assert open2.prompt_ids == (7, 9)  # only the open one goes on
+    results = {r.index: r for r in rollout_take(rollout, 2)}
+    assert results[0].stop_reason == "eos" and results[1].stop_reason == "length"
+    assert results[0].versions == results[1].versions == ((0, 0),)
+    assert not rollout.done, "the open one is still in flight"
+    backend.on_abort = None
+    backend.finish(open2, [EOS])
+    (last,) = drain(rollout)
+    assert last.index == 2 and last.token_ids == [9, EOS] and last.versions == ((0, 0), (1, 1))
+
+
+def test_a_sample_cancelled_before_it_started_has_the_version_it_would_have_run_under() -> None:
+    backend = StandInBackend()
+    running, (request,) = backend.submit([(5,)])
+    during: dict[str, Any] = {}
+
+    def body() -> None:  # the update is in progress: a new sample is held until it ends
+        held, during["started"] = backend.submit([(6,)])
+        held.cancel()
+        (during["result"],) = drain(held)
+
+    update = update_in_thread(backend.book, "wait", body)
+    backend.finish(request, [9, EOS])
+    update.result()
+    assert during["started"] == [] and backend.abort_calls == [], "it never reached the engine"
+    result: SampleResult = during["result"]
+    assert result.stop_reason == "cancelled" and result.token_ids == [] and result.versions == ((0, 0),)
+    assert result.version_at(0) == 0
+    assert backend.book.version == 1 and len(backend.started) == 1 and backend.book.in_flight == 0
+    assert running.wait()[0].stop_reason == "eos"
