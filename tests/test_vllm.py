@@ -183,7 +183,8 @@ def test_refit_over_a_weight_sync_group_crosses_a_separate_engine_core_process(
 def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> None:
     """SIGKILL of the engine-core process of ``dp1`` (multi-process engine core; its Ray actor
     stays up): the worker sees its engine's process end and exits, so the next generate fails
-    with a WorkerError naming it. (The module's last use of ``dp1``: the engine is gone after.)"""
+    with a WorkerError naming it, and every later call on the generation at once. (The
+    module's last use of ``dp1``: the engine is gone after.)"""
     import os
     import signal
 
@@ -194,8 +195,12 @@ def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> No
     core = [pid for pid, cmd in engine_processes.items() if cmd.startswith("VLLM::EngineCore")]
     assert len(core) == 1, engine_processes
     os.kill(core[0], signal.SIGKILL)
-    with pytest.raises(WorkerError, match="rollgen-vllm-dp0: died"):
+    with pytest.raises(WorkerError, match="rollgen-vllm-dp0: died") as info:
         dp1.generate(batch, greedy=True)
+    assert info.value.died and not dp1.usable
+    with pytest.raises(WorkerError, match="rollgen-vllm-dp0: died earlier") as again:
+        dp1.refit({})  # refused by the generation before anything reaches a worker
+    assert again.value.died
 
 
 def test_a_collective_update_that_fails_on_one_replica_makes_the_whole_generation_stale(

@@ -24,6 +24,7 @@ from rollgen.errors import (
     RolloutsInFlight,
     StaleWeights,
     UnsupportedCapability,
+    WorkerError,
 )
 from rollgen.model_info import ModelInfo
 from rollgen.output import empty_output, finish_output, stop_reason
@@ -41,12 +42,18 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 def serialised(method: _Method) -> _Method:
     """Run ``method`` under the generation's lock: calls from several threads on one generation
-    object run one at a time, in the order they take the lock."""
+    object run one at a time, in the order they take the lock. A worker that died
+    (``WorkerError.died``) ends the generation: later calls raise that error at once."""
 
     @functools.wraps(method)
     def locked(self: BaseGeneration, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except WorkerError as exc:
+                if exc.died and self._dead is None:
+                    self._dead = exc
+                raise
 
     return cast(_Method, locked)
 
@@ -83,6 +90,8 @@ class BaseGeneration(ABC):
         #: sleep resets too). A refit resets the prefix cache only then.
         self._prefixes_cached = False
         self._closed = False
+        #: The death of an engine worker, which ended this generation.
+        self._dead: WorkerError | None = None
         self._tokenizer: Any = None
         self._weight_spec: WeightSpec | None = None
         #: Why the engine may hold mixed weights (a refit failed part-way), until a complete refit.
@@ -157,9 +166,20 @@ class BaseGeneration(ABC):
         """Whether ``finish_generation`` really frees device memory here (False: honest no-op)."""
         return False
 
+    @property
+    def usable(self) -> bool:
+        """False once the generation was shut down or one of its engine workers died."""
+        return not self._closed and self._dead is None
+
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosed(f"{self.name} generation was shut down; create a new one")
+        if self._dead is not None:
+            raise WorkerError(
+                self._dead.worker,
+                "died earlier, ending this generation: shut it down and create a new one",
+                died=True,
+            )
 
     def _check_fresh(self) -> None:
         if self._stale is not None:

@@ -84,11 +84,15 @@ class RefitError(RollgenError):
 
 class WorkerError(RollgenError):
     """A remote worker died or raised. ``worker`` names it; ``remote_traceback`` keeps the
-    worker's own traceback when there is one."""
+    worker's own traceback when there is one; ``died``: the worker is gone, and the generation
+    object with it (every later call raises this again; create a new one)."""
 
-    def __init__(self, worker: str, message: str, remote_traceback: str | None = None) -> None:
+    def __init__(
+        self, worker: str, message: str, remote_traceback: str | None = None, *, died: bool = False
+    ) -> None:
         self.worker = worker
         self.remote_traceback = remote_traceback
+        self.died = died
         text = f"worker {worker}: {message}"
         if remote_traceback:
             text += "\n--- remote traceback ---\n" + remote_traceback

@@ -13,9 +13,9 @@ from rollgen.config import deep_merge
 
 class EnginePool:
     """The engines of one test class: the shared one (made when first asked for, remade if it
-    was released) and those a test makes (shut down when the test ends). With ``one_engine``, a
-    test's engine first releases every other, so one engine holds the devices at a time: for
-    layouts that take all of them (TP=2 or DP=2 on two GPUs)."""
+    was released or a worker of it died) and those a test makes (shut down when the test
+    ends). With ``one_engine``, a test's engine first releases every other, so one engine holds
+    the devices at a time: for layouts that take all of them (TP=2 or DP=2 on two GPUs)."""
 
     def __init__(self, base_config: dict[str, Any], one_engine: bool = False) -> None:
         self.base_config, self.one_engine = base_config, one_engine
@@ -24,6 +24,8 @@ class EnginePool:
         self._made: list[Any] = []
 
     def shared(self) -> Any:
+        if self._shared is not None and not getattr(self._shared, "usable", True):
+            self._release_shared()  # a test killed it: the next one gets a new engine
         if self._shared is None:
             if self.one_engine:
                 self.end_test()

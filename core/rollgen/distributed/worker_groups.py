@@ -153,6 +153,7 @@ class RayWorkerGroup:
                     name,
                     f"died ({exc.__class__.__name__}; the worker's log says why, e.g. which engine "
                     "process ended); create a new generation object",
+                    died=True,
                 ) from exc
             # the constructor raised: Ray chains the creation task's error
             task = exc.__cause__ if isinstance(exc.__cause__, ray.exceptions.RayTaskError) else None
