@@ -11,7 +11,9 @@ import torch
 from rollgen.data import BatchedDataDict
 from rollgen.model_info import ModelInfo
 from rollgen.refit import Transport, WeightBucket, WeightSpec
+from rollgen.rollout import Rollout, UpdateMode
 from rollgen.spec import Capability
+from rollgen.weight_sync import SyncBackend, SyncGroupSpec
 
 
 @runtime_checkable
@@ -46,8 +48,20 @@ class GenerationInterface(Protocol):
     def releases_memory_on_sleep(self) -> bool:
         """Whether ``finish_generation`` really frees device memory (False: an honest no-op)."""
 
+    @property
+    def usable(self) -> bool:
+        """False once shut down or once an engine worker died (create a new generation)."""
+
+    @property
+    def weight_version(self) -> int:
+        """How many weight updates have completed (streamed tokens are stamped with it)."""
+
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
         """Right-padded ``input_ids``/``input_lengths`` in; GenerationOutputSpec out."""
+
+    def submit(self, data: Mapping[str, Any], greedy: bool = False) -> Rollout:
+        """``generate``'s input in; returns at once a ``Rollout`` that yields each sample as it
+        finishes (capability ``async``)."""
 
     def generate_text(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
         """``{"prompts": [str], "stop_strings"?: [...]}`` in; ``{"texts": [str]}`` out."""
@@ -59,7 +73,11 @@ class GenerationInterface(Protocol):
         """Sleep: reset the prefix cache and release memory where the backend can."""
 
     def update_weights(
-        self, buckets: WeightBucket | Iterable[WeightBucket], *, partial: bool = False
+        self,
+        buckets: WeightBucket | Iterable[WeightBucket],
+        *,
+        partial: bool = False,
+        mode: UpdateMode = "wait",
     ) -> None:
         """Apply packed weight buckets (validated first; RefitError leaves old weights)."""
 
@@ -71,8 +89,21 @@ class GenerationInterface(Protocol):
         dtype: torch.dtype | None = None,
         partial: bool = False,
         check_finite: bool = True,
+        mode: UpdateMode = "wait",
     ) -> None:
-        """Push a local model or state dict into the engine (validated, bucketed)."""
+        """Push a local model or state dict into the engine (validated, bucketed). ``mode``: what
+        happens to streamed samples in flight."""
+
+    def weight_sync_spec(
+        self, address: str, port: int = 0, *, backend: SyncBackend | None = None, timeout_s: float = 600.0
+    ) -> SyncGroupSpec:
+        """The spec of a weight-sync group for these engines (capability ``refit_collective``)."""
+
+    def init_weight_sync(self, spec: SyncGroupSpec, *, local_sender: bool = False) -> None:
+        """Have every engine rank join the weight-sync group of ``spec``."""
+
+    def update_weights_from_collective(self, *, mode: UpdateMode = "wait") -> None:
+        """Receive the update the trainer's ``WeightSender.send`` broadcasts."""
 
     def shutdown(self) -> None:
         """Release the engine. Idempotent."""
