@@ -52,7 +52,9 @@ def check_segments(
     label: str,
 ) -> dict[str, Any]:
     """Each token's logprob agrees with the HF reference of the weights of its version (greedy:
-    and is its argmax), within the suite's fp32 bounds."""
+    and is its argmax, or a near-tie: the reference's best is ahead of it by less than twice the
+    logprob bound, where logprobs within the bound may swap them), within the suite's fp32
+    bounds."""
     out = rollout.output()
     ids, lengths, ends = out["output_ids"], batch["input_lengths"], out["unpadded_sequence_lengths"]
     mask = generated_mask(out, lengths)
@@ -65,18 +67,23 @@ def check_segments(
         f"{label}: tokens stamped with weight versions {unknown}, expected {sorted(weights_of)}"
     )
     expected = torch.zeros_like(out["logprobs"])
+    top = torch.zeros_like(out["logprobs"])
     best = torch.zeros_like(ids)
     for v, model in weights_of.items():
         logp = next_token_logprobs(model, ids, ends)
         here = mask & (version == v)
         expected[here] = scored_logprobs(logp, ids, lengths, ends)[here]
         best[:, 1:][here[:, 1:]] = logp.argmax(-1)[here[:, 1:]]
+        top[:, 1:][here[:, 1:]] = logp.max(-1).values[here[:, 1:]]
     stats = agreement(out["logprobs"], expected, mask)
-    wrong = mask & (best != ids)
-    assert not wrong.any(), (
-        f"{label}: greedy tokens that are not their version's argmax at {wrong.nonzero().tolist()}"
-    )
     bound = fp32_bound()
+    wrong = mask & (best != ids)
+    gaps = (top - expected)[wrong]
+    stats["argmax_near_ties"] = int(wrong.sum())
+    assert (gaps < 2 * bound["max_abs"]).all(), (
+        f"{label}: greedy tokens that are not their version's argmax at {wrong.nonzero().tolist()}, "
+        f"behind it by {gaps.tolist()} (a near-tie is below {2 * bound['max_abs']})"
+    )
     for key in ("max_abs", "token_mult_prob_error"):
         assert stats[key] <= bound[key], f"{label}: {key} {stats[key]:.4g} above {bound[key]} ({stats})"
     cut = sum(len(s) > 1 for s in out["weight_versions"])
