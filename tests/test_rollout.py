@@ -963,3 +963,38 @@ def test_a_sample_cancelled_before_it_started_has_the_version_it_would_have_run_
     assert result.version_at(0) == 0
     assert backend.book.version == 1 and len(backend.started) == 1 and backend.book.in_flight == 0
     assert running.wait()[0].stop_reason == "eos"
+
+
+def test_a_report_whose_logprobs_do_not_match_its_tokens_fails_that_rollout_only() -> None:
+    backend = StandInBackend()
+    bad, (b,) = backend.submit([(5,)])
+    good, (g,) = backend.submit([(6,)])
+    backend.finish(b, (30, 31, EOS), (-0.1, -0.2))
+    backend.finish(g, (32, EOS))
+    with pytest.raises(rollgen.OutputError, match="2 logprobs for 3 tokens"):
+        bad.wait()
+    assert [r.token_ids for r in good.wait()] == [[32, EOS]]
+    assert backend.book.in_flight == 0
+
+
+def test_a_streamed_nan_logprob_makes_the_next_complete_refit_clear_the_kv_cache(
+    standin_config: dict,
+) -> None:
+    class Clearing(StandInGeneration):
+        cleared = 0
+
+        def _clear_kv_cache(self) -> None:
+            self.cleared += 1
+
+    gen = make(Clearing, standin_config)
+    eos = gen.model_info.eos_token_ids[0]
+    rollout = gen.submit(prompts_batch([5, 6], pad=standin_config["pad_token_id"]), greedy=True)
+    (a,) = gen.rec.started
+    gen.rec.finish(a, (10, eos), (float("nan"), -0.2))
+    assert rollout.wait()[0].logprobs[1] == -0.2
+    source = zero_weights(gen)
+    gen.refit(source, partial=False)
+    assert gen.cleared == 1
+    gen.refit(source)
+    assert gen.cleared == 1, "the KV cache is cleared once, by the first complete refit after"
+    gen.shutdown()

@@ -108,7 +108,9 @@ class BaseGeneration(ABC):
         self._sender: WeightSender | None = None
         self._sync_group: SyncGroup | None = None
         #: Samples streamed by ``submit``, and the weight version.
-        self._streams = Streams(self._stream_start, self._stream_abort, self._stream_stop_reason)
+        self._streams = Streams(
+            self._stream_start, self._stream_abort, self._stream_stop_reason, self._nonfinite_logprobs
+        )
         seed = self.cfg.get("seed")
         self._seed_rng = None if seed is None else torch.Generator().manual_seed(int(seed))
         if self.cfg.get("logprobs_mode") == "processed":
@@ -215,9 +217,13 @@ class BaseGeneration(ABC):
             lambda i, tokens: self._hits_stop_string(params[i], tokens),
         )
         if not finite:
-            self._kv_poisoned = True
-            logger.warning("%s: NaN or infinite logprobs; are the weights finite?", self.name)
+            self._nonfinite_logprobs()
         return out
+
+    def _nonfinite_logprobs(self) -> None:
+        """An output held NaN or infinite logprobs: the next complete refit clears the KV cache."""
+        self._kv_poisoned = True
+        logger.warning("%s: NaN or infinite logprobs; are the weights finite?", self.name)
 
     def _prepare(
         self, data: Mapping[str, Any], greedy: bool

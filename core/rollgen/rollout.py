@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import math
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from rollgen.data import BatchedDataDict
-from rollgen.errors import InputError, RollgenError
+from rollgen.errors import InputError, OutputError, RollgenError
 from rollgen.output import assemble_from_lists
 from rollgen.sampling import SampleParams
 
@@ -227,15 +228,20 @@ class Streams:
     """The core's book of streamed samples, between the trainer's calls and a backend's
     ``start(requests)`` / ``abort(keys)`` hooks; backends report ended samples to ``deliver``
     (from any thread). ``stop_reason(params, end, tokens)`` names why a sample that ran to its
-    end stopped (``end``: its prompt plus generated tokens)."""
+    end stopped (``end``: its prompt plus generated tokens). As ``generate``'s output is, each
+    report is checked: logprobs that do not match its tokens fail that sample's rollout with an
+    ``OutputError``; a NaN or infinite logprob calls ``nonfinite()`` (the engine's KV cache may
+    hold NaNs from the weights that produced it)."""
 
     def __init__(
         self,
         start: Callable[[list[SampleRequest]], None],
         abort: Callable[[list[str]], None],
         stop_reason: Callable[[SampleParams, int, list[int]], str],
+        nonfinite: Callable[[], None] = lambda: None,
     ) -> None:
         self._start, self._abort, self._stop_reason = start, abort, stop_reason
+        self._nonfinite = nonfinite
         self._cond = threading.Condition()
         self._running: dict[str, _Sample] = {}
         #: Samples waiting for an update to end before they start (or continue).
@@ -307,6 +313,13 @@ class Streams:
             self._cond.notify_all()
 
     def _ended(self, sample: _Sample, f: FinishedSample) -> None:
+        if f.error is None and len(f.token_ids) != len(f.logprobs):
+            raise OutputError(
+                f"sample {sample.index}: the engine returned {len(f.logprobs)} logprobs for "
+                f"{len(f.token_ids)} tokens"
+            )
+        if not all(map(math.isfinite, f.logprobs)):
+            self._nonfinite()
         sample.token_ids.extend(f.token_ids)
         sample.logprobs.extend(f.logprobs)
         tokens, params = sample.token_ids, sample.params
