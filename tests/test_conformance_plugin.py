@@ -169,3 +169,34 @@ def test_rollgen_config_must_be_a_json_object(suite: pytest.Pytester) -> None:
     result = suite.runpytest_inprocess(*SUITE, "--rollgen-backend=bare", "--rollgen-config={not json")
     assert result.ret == pytest.ExitCode.USAGE_ERROR, f"exit {result.ret}"
     result.stderr.fnmatch_lines(["ERROR: --rollgen-config is not valid JSON: *"])
+
+
+def test_after_a_failed_test_the_next_one_gets_a_new_shared_engine(suite: pytest.Pytester) -> None:
+    """A test that failed may have broken the engine the tests share in a way nobody can see:
+    the next test that asks for it gets a new one (a test that passed leaves it shared)."""
+    suite.makepyfile(
+        test_pool="""
+from rollgen.conformance.base import BackendConformance
+
+class TestPool(BackendConformance):
+    def test_a_marks_the_engine_and_passes(self, engine):
+        engine.marked = "a"
+
+    def test_b_gets_it_marks_it_and_fails(self, engine):
+        assert engine.marked == "a"
+        engine.marked = "b"
+        assert False, "failed on purpose"
+
+    def test_c_gets_a_new_engine(self, engine):
+        assert engine.usable and not hasattr(engine, "marked")
+"""
+    )
+    result = suite.runpytest_inprocess(
+        "-p",
+        "rollgen.conformance",
+        "--rollgen-backend=bare",
+        "test_pool.py",
+        "-k",
+        "the_engine_and_passes or marks_it_and_fails or gets_a_new_engine",
+    )
+    result.assert_outcomes(passed=2, failed=1)

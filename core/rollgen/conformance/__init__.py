@@ -23,6 +23,7 @@ import pytest
 import rollgen
 from rollgen.conformance.base import BackendConformance
 from rollgen.conformance.fixtures import usable_backend
+from rollgen.conformance.pool import FAILED
 from rollgen.errors import RollgenError
 from rollgen.registry import get_registry
 
@@ -155,6 +156,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason = known.get(item.name) or known.get(test)
         if reason:
             item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.when == "call" and (report.failed or hasattr(report, "wasxfail")):
+        item.stash[FAILED] = True  # the shared engine is remade after it (fixtures.engine)
+    return report
 
 
 class _JsonReport:

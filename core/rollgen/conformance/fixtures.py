@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollgen.config import deep_merge
-from rollgen.conformance.pool import EnginePool
+from rollgen.conformance.pool import FAILED, EnginePool
 from rollgen.errors import RollgenError
 from rollgen.registry import RegisteredBackend, get_registry
 from rollgen.spec import Capability
@@ -103,9 +103,12 @@ class ConformanceFixtures:
         engine_pool.end_test()
 
     @pytest.fixture
-    def engine(self, engine_pool: EnginePool) -> Any:
-        """The engine most tests share (made when first needed)."""
-        return engine_pool.shared()
+    def engine(self, request: pytest.FixtureRequest, engine_pool: EnginePool) -> Iterator[Any]:
+        """The engine most tests share (made when first needed; after a test that failed, or
+        failed as a known failure, the next test gets a new one: that test may have broken it)."""
+        yield engine_pool.shared()
+        if request.node.stash.get(FAILED, False):
+            engine_pool.release_shared()
 
     @pytest.fixture(scope="class")
     @classmethod

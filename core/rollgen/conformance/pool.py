@@ -5,10 +5,14 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+import pytest
 import torch
 
 import rollgen
 from rollgen.config import deep_merge
+
+#: Set in a test item's stash when its call failed, or failed as a known failure.
+FAILED = pytest.StashKey[bool]()
 
 
 class EnginePool:
@@ -25,7 +29,7 @@ class EnginePool:
 
     def shared(self) -> Any:
         if self._shared is not None and not getattr(self._shared, "usable", True):
-            self._release_shared()  # a test killed it: the next one gets a new engine
+            self.release_shared()  # a test killed it: the next one gets a new engine
         if self._shared is None:
             if self.one_engine:
                 self.end_test()
@@ -35,7 +39,7 @@ class EnginePool:
     def make(self, **overrides: Any) -> Any:
         if self.one_engine:
             self.end_test()
-            self._release_shared()
+            self.release_shared()
         engine = rollgen.create_generation(deep_merge(self.base_config, overrides))
         self._made.append(engine)
         return engine
@@ -45,11 +49,12 @@ class EnginePool:
             self._made.pop().shutdown()
         gc.collect()
 
-    def _release_shared(self) -> None:
+    def release_shared(self) -> None:
+        """Shut the shared engine down (the next test that asks for it gets a new one)."""
         if self._shared is not None:
             self._shared, engine = None, self._shared
             engine.shutdown()
 
     def close(self) -> None:
-        self._release_shared()
+        self.release_shared()
         self.end_test()
