@@ -66,6 +66,35 @@ def test_cuda_ipc_refit_sleep_wake(hf_config: dict, batch: dict) -> None:
         assert stats["token_mult_prob_error"] < 1.05, stats
 
 
+@pytest.mark.gpu
+def test_refits_reuse_the_staging_buffers_until_released(hf_config: dict, batch: dict) -> None:
+    """Refits over CUDA IPC pack into staging buffers the engine maps once: A, B, A again serve
+    each weight's outputs (a kept mapping reads the bytes of the current refit), repeated refits
+    allocate nothing more in this process, and release_refit_buffers frees the buffers (torch
+    frees an exported buffer only once every receiver let go of it: two engines on one GPU,
+    DP=2, each got their own export); a refit after makes new ones."""
+    with rollgen.create_generation(config(hf_config, data_parallel_size=2, gpus_per_bundle=0.25)) as gen:
+        a = load_reference_model(tiny_model_dir(), torch.bfloat16).cuda()
+        b = load_reference_model(tiny_model_dir(trained=False), torch.bfloat16).cuda()
+        outs = []
+        for model in (a, b, a):
+            gen.refit(model)
+            outs.append(gen.generate(batch, greedy=True))
+        assert torch.equal(outs[0]["output_ids"], outs[2]["output_ids"])
+        assert not torch.equal(outs[0]["output_ids"], outs[1]["output_ids"])
+        assert agrees_with(copy.deepcopy(b), outs[1], batch)["token_mult_prob_error"] < 1.05
+        held = torch.cuda.memory_allocated()
+        for _ in range(5):
+            gen.refit(b)
+        assert torch.cuda.memory_allocated() == held, "refits after the first allocated more"
+        staged = sum(p.numel() * p.element_size() for p in a.parameters())
+        gen.release_refit_buffers()
+        freed = held - torch.cuda.memory_allocated()
+        assert freed >= staged, f"releasing the staging buffer freed {freed} bytes of {staged}"
+        gen.refit(a)
+        assert torch.equal(gen.generate(batch, greedy=True)["output_ids"], outs[0]["output_ids"])
+
+
 @pytest.mark.gpu2
 def test_tp2_and_dp2_match_tp1(hf_config: dict, batch: dict) -> None:
     with rollgen.create_generation(config(hf_config)) as tp1:

@@ -261,6 +261,42 @@ def test_a_rejected_refit_leaves_the_engine_serving(hf_config: dict) -> None:
         assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], before["output_ids"])
 
 
+def test_a_layout_refitted_before_skips_no_check_that_another_layout_needs(hf_config: dict) -> None:
+    """refit keeps the checks of the last layout that passed (a trainer refits the same layout
+    every step) and its buckets: the same layout again is loaded exactly (new values, other bucket
+    sizes too); any change of a name, shape, dtype or ``partial`` is checked afresh, and the
+    values always are."""
+    from rollgen.testing import load_reference_model
+
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
+    state = {k: v.clone() for k, v in load_reference_model(hf_config["model_name"]).state_dict().items()}
+    other = load_reference_model(rollgen.testing.tiny_model_dir(trained=False)).state_dict()
+    with rollgen.create_generation(hf_config) as engine:
+        before = engine.generate(batch, greedy=True)
+        engine.refit(state)
+        engine.refit(other, bucket_bytes=1 << 12)  # the same layout, other values and buckets
+        changed = engine.generate(batch, greedy=True)
+        assert not torch.equal(changed["output_ids"], before["output_ids"])
+        wide = {**state, "model.norm.weight": torch.ones(state["model.norm.weight"].shape[0] + 1)}
+        with pytest.raises(RefitError, match=r"model.norm.weight: shape"):
+            engine.refit(wide)
+        with pytest.raises(RefitError, match=r"model.norm.weight: dtype"):
+            engine.refit({**state, "model.norm.weight": state["model.norm.weight"].double()})
+        with pytest.raises(RefitError, match="lm_head.weight: missing"):
+            engine.refit({k: v for k, v in state.items() if k != "lm_head.weight"})
+        with pytest.raises(RefitError, match="missing; a partial update sends whole module groups"):
+            engine.refit(
+                {"model.layers.0.self_attn.q_proj.weight": state["model.layers.0.self_attn.q_proj.weight"]},
+                partial=True,
+            )
+        nan = {**state, "model.norm.weight": torch.full_like(state["model.norm.weight"], float("nan"))}
+        with pytest.raises(RefitError, match="NaN"):
+            engine.refit(nan)  # the layout that passed before: its values are checked all the same
+        assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], changed["output_ids"])
+        engine.refit(state)
+        assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], before["output_ids"])
+
+
 def ipc_stand_in(gpus: list[str], names: tuple[str, ...] = ("a", "b")) -> WeightBucket:
     """A cuda_ipc bucket whose payload maps GPU UUIDs to placeholders: a stand-in for the CUDA
     IPC handles this CPU machine cannot make (merging and checking read only their keys)."""

@@ -8,7 +8,7 @@ from rollgen_vllm.extension import RollgenWorkerExtension
 
 
 class FailOnceOnLastRank(RollgenWorkerExtension):
-    def rollgen_load(self, named: Any, replay: bool) -> Any:
+    def rollgen_load(self, named: Any, replay: bool, kept: bool = False) -> Any:
         sync = getattr(self, "rollgen_sync", None)
         if (
             sync is not None
@@ -19,4 +19,4 @@ class FailOnceOnLastRank(RollgenWorkerExtension):
             if self.fault_loads == 2:
                 self.fault_fired = True
                 raise RuntimeError("injected fault: this rank's second bucket fails to load")
-        return super().rollgen_load(named, replay)
+        return super().rollgen_load(named, replay, kept)

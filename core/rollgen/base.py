@@ -100,6 +100,10 @@ class BaseGeneration(ABC):
         self._lock = threading.RLock()
         #: The batch of the generate in progress, and its samples' settings.
         self._params: tuple[Mapping[str, Any], bool, list[SampleParams]] | None = None
+        #: The layout of the last refit source that passed the checks, and its buckets (by
+        #: index into its tensors) for a bucket size: a trainer refits the same layout each step.
+        self._checked_layout: tuple[Any, ...] | None = None
+        self._refit_groups: tuple[Any, list[list[int]]] = (None, [])
         #: A generate returned non-finite logprobs: the engine's KV cache may hold NaNs, which
         #: the next complete refit clears.
         self._kv_poisoned = False
@@ -430,7 +434,7 @@ class BaseGeneration(ABC):
         for b in items:
             refit_mod.check_reach(b, self.engine_devices)
         with self._in_flight_update(mode):
-            self._apply(items, partial, f"update_weights of {len(items)} bucket(s)")
+            self._apply(items, len(items), partial, f"update_weights of {len(items)} bucket(s)")
 
     @serialised
     def refit(
@@ -458,60 +462,113 @@ class BaseGeneration(ABC):
         self.require(refit_mod.TRANSPORT_CAPABILITY[self.local_transport], "refit")
         refit_mod.check_source(source)
         refit_mod.check_bucket_bytes(bucket_bytes)
-        spec = refit_mod.source_spec(source, dtype)
-        self.check_weights((refit_mod.TensorMeta(n, s, d) for n, (s, d) in spec.items()), partial)
-        if check_finite:
-            refit_mod.require_finite(refit_mod.named_tensors(source))
+        named = list(refit_mod.named_tensors(source))
+        layout = (dtype, partial, tuple((n, t.shape, t.dtype) for n, t in named))
+        if layout != self._checked_layout:  # a trainer refits the same layout every step
+            self.check_weights((refit_mod.TensorMeta.of(n, t, dtype) for n, t in named), partial)
+            self._checked_layout = layout
+        sender = self._sender
+        groups = self._bucket_groups(named, bucket_bytes, dtype) if sender is None else []
+        # where packing checks every value before anything is sent (and no sample in flight
+        # would be touched first), it checks the packed bytes: one pass fewer over the source
+        packed_check = check_finite and not self._streams.in_flight and self._checks_packed(groups)
+        if check_finite and not packed_check:
+            refit_mod.require_finite(named)
+        # the source was checked; a cast to a narrower dtype may still overflow
+        cast_check = packed_check or (check_finite and dtype is not None)
         with self._in_flight_update(mode):
-            self._push(source, bucket_bytes, dtype, partial, check_finite)
+            if sender is None:
+                self._pack_and_apply(groups, dtype, partial, cast_check)
+            else:
+                self._broadcast(sender, source, bucket_bytes, dtype, partial, check_finite)
 
-    def _push(
+    def _bucket_groups(
+        self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int | None, dtype: torch.dtype | None
+    ) -> list[list[tuple[str, torch.Tensor]]]:
+        """The buckets ``refit`` packs ``named`` in (kept for the layout and bucket size)."""
+        size = bucket_bytes or self._staged_bucket_bytes() or refit_mod.default_bucket_bytes(named)
+        key = (self._checked_layout, size)
+        if self._refit_groups[0] != key:
+            indices = list(refit_mod.grouped(list(enumerate(named)), size, dtype))
+            self._refit_groups = (key, [[i for i, _ in group] for group in indices])
+        return [[named[i] for i in group] for group in self._refit_groups[1]]
+
+    def _checks_packed(self, groups: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> bool:
+        """Whether packing ``groups`` checks every value before anything is sent (backends with
+        staging buffers, for a refit of one bucket)."""
+        return False
+
+    def _pack_and_apply(
         self,
+        groups: list[list[tuple[str, torch.Tensor]]],
+        dtype: torch.dtype | None,
+        partial: bool,
+        check_finite: bool,
+    ) -> None:
+        """Pack each bucket over ``local_transport`` (checking its values after the cast, with
+        ``check_finite``) and load it before the next is packed."""
+        pack = self._packer(groups, dtype)
+        self._apply((pack(group, check_finite) for group in groups), len(groups), partial, "refit")
+
+    def _broadcast(
+        self,
+        sender: WeightSender,
         source: torch.nn.Module | Mapping[str, torch.Tensor],
         bucket_bytes: int | None,
         dtype: torch.dtype | None,
         partial: bool,
         check_finite: bool,
     ) -> None:
-        """Send a validated source: over the weight-sync group when this process is its
-        sender, else packed over ``local_transport``."""
-        if self._sender is not None:
-            sender = self._sender
-            self._update_over_sync(
-                lambda: sender.send(
-                    source,
-                    bucket_bytes=bucket_bytes,
-                    dtype=dtype,
-                    partial=partial,
-                    check_finite=check_finite and dtype is not None,
-                )
+        """Broadcast a validated source over the weight-sync group (this process is its sender)."""
+        self._update_over_sync(
+            lambda: sender.send(
+                source,
+                bucket_bytes=bucket_bytes,
+                dtype=dtype,
+                partial=partial,
+                check_finite=check_finite and dtype is not None,
             )
-            return
-        buckets = refit_mod.iter_buckets(
-            source,
-            self.local_transport,
-            bucket_bytes=bucket_bytes,
-            dtype=dtype,
-            # the source was checked; a cast to a narrower dtype may still overflow
-            check_finite=check_finite and dtype is not None,
-            # one handle for each engine GPU (a source on one GPU reaches engines on others)
-            devices=self.engine_devices or None,
         )
-        self._apply(buckets, partial, "refit")
+
+    def _packer(
+        self, groups: Sequence[Sequence[tuple[str, torch.Tensor]]], dtype: torch.dtype | None
+    ) -> Callable[[Sequence[tuple[str, torch.Tensor]], bool], WeightBucket]:
+        """How ``refit`` packs each of ``groups`` (``(group, check_finite)`` → bucket): over
+        ``local_transport``, one handle for each engine GPU (a source on one GPU reaches
+        engines on others). Backends with staging buffers pack into those."""
+        devices = self.engine_devices or None
+        return lambda group, check: refit_mod.pack_bucket(
+            group, self.local_transport, dtype=dtype, check_finite=check, devices=devices
+        )
+
+    def _staged_bucket_bytes(self) -> int | None:
+        """The bucket size of a refit that gives none, where staging buffers set it (a refit's
+        buckets then keep the layout of the last)."""
+        return None
+
+    def release_refit_buffers(self) -> None:  # noqa: B027 - a no-op unless the backend keeps buffers
+        """Free the buffers ``refit`` keeps between refits (CUDA IPC staging buffers: one of
+        the largest bucket on each engine GPU); the next refit makes new ones. A no-op where
+        there are none."""
 
     def _in_flight_update(self, mode: UpdateMode) -> AbstractContextManager[None]:
         """Around an update's application: streamed samples in flight handled per ``mode``."""
         return self._streams.update(mode, fresh=lambda: self._stale is None)
 
-    def _apply(self, buckets: Iterable[WeightBucket], partial: bool, what: str) -> None:
-        """Load validated buckets one at a time (each freed before the next is packed). A
-        failure after the first bucket reached the engine marks the generation stale."""
+    def _apply(self, buckets: Iterable[WeightBucket], count: int, partial: bool, what: str) -> None:
+        """Load ``count`` validated buckets one at a time (each freed before the next is
+        packed), the last with the prefix-cache reset a generate since the last reset calls for.
+        A failure after the first bucket reached the engine marks the generation stale."""
         applied = 0
         try:
             for bucket in buckets:
                 refit_mod.check_reach(bucket, self.engine_devices)
                 applied += 1
-                self._apply_bucket(bucket)
+                if applied == count and self._prefixes_cached and not self._kv_poisoned:
+                    self._apply_last_bucket(bucket)
+                    self._prefixes_cached = False
+                else:
+                    self._apply_bucket(bucket)
                 del bucket
         except BaseException as exc:
             if applied:
@@ -677,6 +734,12 @@ class BaseGeneration(ABC):
     @abstractmethod
     def _apply_bucket(self, bucket: WeightBucket) -> None:
         """Load one validated bucket into the engine."""
+
+    def _apply_last_bucket(self, bucket: WeightBucket) -> None:
+        """Load an update's last bucket, then drop every cached prefix (engines reached over a
+        round trip do both in one)."""
+        self._apply_bucket(bucket)
+        self._reset_prefix_cache()
 
     def _invalidate_prefixes(self) -> None:
         """After new weights: reset the prefix cache if a generate may have filled it since the

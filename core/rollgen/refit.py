@@ -14,10 +14,10 @@ from __future__ import annotations
 import io
 import math
 import pickle
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -30,6 +30,7 @@ TRANSPORT_CAPABILITY: dict[str, Capability] = {
     "shared_memory": Capability.REFIT_TENSORS,
     "cuda_ipc": Capability.REFIT_IPC,
 }
+_Item = TypeVar("_Item")
 #: Bucket size for a source in host memory.
 DEFAULT_BUCKET_BYTES = 1 << 30
 #: Bounds of the bucket size for a source on a GPU (a quarter of its free memory): one 4 GiB
@@ -47,8 +48,9 @@ class TensorMeta:
     dtype: str
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> TensorMeta:
-        return cls(name, tuple(tensor.shape), dtype_name(tensor.dtype))
+    def of(cls, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorMeta:
+        """The meta of ``tensor`` (as cast to ``dtype``, when given)."""
+        return cls(name, tuple(tensor.shape), dtype_name(dtype or tensor.dtype))
 
     @property
     def nbytes(self) -> int:
@@ -100,6 +102,57 @@ class WeightSpec(dict[str, tuple[tuple[int, ...], str]]):
         ]
 
 
+@dataclass(frozen=True)
+class IpcHandle:
+    """How a receiver maps one GPU's flat buffer of a ``cuda_ipc`` bucket: torch's export of it
+    (``rebuild(*args)``). ``key`` names a staging buffer (``rollgen.staging``), which a receiver
+    maps the first time it sees it and keeps until ``release_staged``; None: a buffer of this
+    bucket alone, mapped for it."""
+
+    rebuild: Callable[..., torch.Tensor]
+    args: tuple[Any, ...]
+    key: str | None = None
+
+    @classmethod
+    def export(cls, buf: torch.Tensor, key: str | None = None) -> IpcHandle:
+        """A new export of ``buf`` (torch pairs each export with one receiver's mapping)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        rebuild, args = reduce_tensor(buf)
+        return cls(rebuild, tuple(args), key)
+
+
+#: The staging buffers this process maps (a receiver's side of ``IpcHandle.key``).
+_staged: dict[str, torch.Tensor] = {}
+#: The named tensors of the staged buckets this process unpacked, by the pickle they came in (a
+#: trainer sends a layout it sent before in the same pickle).
+_unpacked: dict[bytes, list[tuple[str, torch.Tensor]]] = {}
+
+
+def release_staged(keys: Iterable[str]) -> None:
+    """Unmap the staging buffers ``keys`` in this process (the trainer frees a buffer once every
+    receiver has let it go)."""
+    for key in keys:
+        _staged.pop(key, None)
+    _unpacked.clear()
+
+
+def unpack_pickled(
+    data: bytes, device: torch.device | str | None = None
+) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+    """The named tensors of a pickled bucket (``WeightBucket.unpack``), and whether they are
+    kept: a staged bucket's are views of the kept mapping, the same list while the same pickle
+    comes (do not change it), until ``release_staged``."""
+    named = _unpacked.get(data)
+    if named is None:
+        bucket: WeightBucket = pickle.loads(data)
+        named = bucket.unpack(device)
+        if not bucket.staged:
+            return named, False
+        _unpacked[data] = named
+    return named, True
+
+
 @dataclass
 class WeightBucket:
     """A bounded group of named tensors, packed for one transport. Picklable."""
@@ -109,6 +162,9 @@ class WeightBucket:
     payload: Any
     #: Byte offset of each tensor in the flat buffer (``shared_memory`` and ``cuda_ipc``).
     offsets: tuple[int, ...] = ()
+    #: Packed into staging buffers (``rollgen.staging``): the payload names the GPUs, and each
+    #: receiver gets its own handles (``for_receiver``).
+    staged: bool = False
     _keepalive: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -118,7 +174,17 @@ class WeightBucket:
             buf = io.BytesIO()
             ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(self._keepalive)
             payload = buf.getvalue()
-        return {"transport": self.transport, "metas": self.metas, "payload": payload, "offsets": self.offsets}
+        return {
+            "transport": self.transport,
+            "metas": self.metas,
+            "payload": payload,
+            "offsets": self.offsets,
+            "staged": self.staged,
+        }
+
+    def for_receiver(self, payload: dict[str, IpcHandle]) -> WeightBucket:
+        """This staged bucket as one receiver gets it: with its own ``payload`` of handles."""
+        return WeightBucket(self.transport, self.metas, payload, self.offsets, staged=True)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _keepalive=[])
@@ -232,13 +298,6 @@ def named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> Itera
         yield name, tensor.detach()
 
 
-def source_spec(
-    source: torch.nn.Module | Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
-) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Names, shapes and dtypes of what ``source`` would send (after the cast to ``dtype``)."""
-    return {n: (tuple(t.shape), dtype_name(dtype or t.dtype)) for n, t in named_tensors(source)}
-
-
 def gpu_bucket_bytes(free_bytes: int) -> int:
     """The bucket size for a source on a GPU with ``free_bytes`` free: a quarter of it, within
     ``GPU_BUCKET_BYTES``."""
@@ -246,10 +305,12 @@ def gpu_bucket_bytes(free_bytes: int) -> int:
     return max(low, min(high, free_bytes // 4))
 
 
-def default_bucket_bytes(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> int:
+def default_bucket_bytes(
+    source: torch.nn.Module | Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
+) -> int:
     """The bucket size when the caller gives none: ``gpu_bucket_bytes`` of the free memory of
-    the GPU ``source`` is on, else ``DEFAULT_BUCKET_BYTES``."""
-    first = next(named_tensors(source), None)
+    the GPU ``source`` (or its named tensors) is on, else ``DEFAULT_BUCKET_BYTES``."""
+    first = next(iter(source), None) if isinstance(source, Sequence) else next(named_tensors(source), None)
     if first is None or first[1].device.type != "cuda":
         return DEFAULT_BUCKET_BYTES
     return gpu_bucket_bytes(torch.cuda.mem_get_info(first[1].device)[0])
@@ -283,16 +344,26 @@ def bucket_groups(
     check_bucket_bytes(bucket_bytes)
     if bucket_bytes is None:
         bucket_bytes = default_bucket_bytes(source)
-    group: list[tuple[str, torch.Tensor]] = []
+    for group in grouped(((None, nt) for nt in named_tensors(source)), bucket_bytes, dtype):
+        yield [nt for _, nt in group]
+
+
+def grouped(
+    items: Iterable[tuple[_Item, tuple[str, torch.Tensor]]], bucket_bytes: int, dtype: torch.dtype | None
+) -> Iterator[list[tuple[_Item, tuple[str, torch.Tensor]]]]:
+    """Named tensors (each with an item of the caller's) in buckets of about ``bucket_bytes``
+    (after the cast to ``dtype``), module groups kept whole."""
+    group: list[tuple[_Item, tuple[str, torch.Tensor]]] = []
     size = 0
     last_key = None
-    for name, tensor in named_tensors(source):
+    for item in items:
+        name, tensor = item[1]
         nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
         key = module_group(name)
         if group and key != last_key and size + nbytes > bucket_bytes:
             yield group
             group, size = [], 0
-        group.append((name, tensor))
+        group.append(item)
         size += nbytes
         last_key = key
     if group:
@@ -311,16 +382,17 @@ def module_group(name: str) -> str:
 
 def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of the floating-point tensors that hold a NaN or an infinity: one fused 2-norm
-    pass and one host sync per device; a tensor whose norm is not finite is then checked
-    element-wise (a huge but finite tensor overflows its norm)."""
+    pass (in float32) and one host sync per device, with no kernel per tensor beyond it; a tensor
+    whose norm is not finite is then checked element-wise (a huge but finite tensor overflows its
+    norm)."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in named:
         if tensor.is_floating_point() and tensor.numel():
             by_device.setdefault(tensor.device, []).append((name, tensor.detach()))
     bad = []
     for group in by_device.values():
-        norms = torch._foreach_norm([t for _, t in group])
-        suspects = (~torch.stack([n.float() for n in norms]).isfinite()).nonzero().flatten().tolist()
+        norms = torch._foreach_norm([t for _, t in group], 2, dtype=torch.float32)
+        suspects = (~torch.stack(norms).isfinite()).nonzero().flatten().tolist()
         bad += [group[i][0] for i in suspects if not bool(torch.isfinite(group[i][1]).all())]
     return bad
 
@@ -347,16 +419,7 @@ def pack_bucket(
     """Pack named tensors for ``transport`` (casting to ``dtype`` first when given). RefitError
     if a tensor holds a NaN or an infinity, after the cast (unless ``check_finite`` is False).
     ``devices``: for ``cuda_ipc``, the UUIDs of the GPUs to make handles for (the engines')."""
-    names, tensors = [], []
-    for name, tensor in named:
-        t = tensor.detach()
-        if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
-        names.append(name)
-        tensors.append(t.contiguous())
-    if check_finite:
-        require_finite(zip(names, tensors))
-    metas = tuple(TensorMeta.of(n, t) for n, t in zip(names, tensors))
+    names, tensors, metas = prepare(named, dtype, check_finite)
     if transport == "tensors":
         return WeightBucket(transport, metas, tensors)
     offsets = flat_offsets(m.nbytes for m in metas)
@@ -368,6 +431,23 @@ def pack_bucket(
         payload, keep = _ipc_handles(tensors, metas, offsets, devices)
         return WeightBucket(transport, metas, payload, offsets, _keepalive=keep)
     raise RefitError(f"unknown refit transport {transport!r}; use tensors, shared_memory or cuda_ipc")
+
+
+def prepare(
+    named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None, check_finite: bool
+) -> tuple[list[str], list[torch.Tensor], tuple[TensorMeta, ...]]:
+    """A bucket's names, its tensors (cast to ``dtype`` where given, contiguous) and their metas;
+    RefitError if a tensor holds a NaN or an infinity after the cast (``check_finite``)."""
+    names, tensors = [], []
+    for name, tensor in named:
+        t = tensor.detach()
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        names.append(name)
+        tensors.append(t.contiguous())
+    if check_finite:
+        require_finite(zip(names, tensors))
+    return names, tensors, tuple(TensorMeta.of(n, t) for n, t in zip(names, tensors))
 
 
 def flat_offsets(sizes: Iterable[int]) -> tuple[int, ...]:
@@ -417,24 +497,14 @@ def device_uuid(device: torch.device | int | None = None) -> str:
     )
 
 
-def _ipc_handles(
-    tensors: list[torch.Tensor],
-    metas: tuple[TensorMeta, ...],
-    offsets: tuple[int, ...],
-    devices: Sequence[str] | None = None,
-) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """One flat buffer and its IPC handle for every target GPU, so each engine rank finds its
-    GPU's handle by UUID: the GPUs of ``devices`` (UUIDs; each must be visible here), else the
-    tensors' own GPU, or (for CPU tensors) every visible GPU. The first buffer is packed with
-    one fused copy; the others are one device-to-device copy of it each."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    if not tensors:
-        return {}, []
+def ipc_targets(tensors: Sequence[torch.Tensor], devices: Sequence[str] | None = None) -> list[torch.device]:
+    """The GPUs a ``cuda_ipc`` bucket of ``tensors`` gets a flat buffer on, the tensors' own GPU
+    first: the GPUs of ``devices`` (UUIDs; each must be visible here), else the tensors' GPU, or
+    (for CPU tensors) every visible GPU."""
     on = {t.device for t in tensors}
     if len(on) > 1:
         raise RefitError(f"cuda_ipc bucket tensors sit on several devices {sorted(map(str, on))}")
-    source = on.pop()
+    source = on.pop() if on else torch.device("cpu")
     if not torch.cuda.is_available():
         raise RefitError("cuda_ipc needs CUDA; use the shared_memory transport on CPU")
     visible = {device_uuid(i): torch.device("cuda", i) for i in range(torch.cuda.device_count())}
@@ -447,21 +517,39 @@ def _ipc_handles(
                 "GPU, merge the buckets of trainer ranks on them (rollgen.merge_buckets), or refit "
                 "over a weight-sync group (docs/contract.md, 'Where the trainer is')"
             )
-        targets = sorted({visible[d] for d in devices}, key=lambda d: d != source)
-    elif source.type == "cuda":
-        targets = [source]
-    else:
-        targets = list(visible.values())
-    payload: dict[str, Any] = {}
-    keep: list[torch.Tensor] = []
-    for device in targets:
-        buf = flatten(tensors, metas, offsets, device) if not keep else keep[0].to(device)
-        payload[device_uuid(device)] = reduce_tensor(buf)
-        keep.append(buf)
-    return payload, keep
+        return sorted({visible[d] for d in devices}, key=lambda d: d != source)
+    return [source] if source.type == "cuda" else list(visible.values())
 
 
-def _rebuild_ipc(payload: dict[str, Any], device: torch.device | str | None) -> torch.Tensor:
+def pack_flat(
+    tensors: list[torch.Tensor],
+    metas: tuple[TensorMeta, ...],
+    offsets: tuple[int, ...],
+    buffers: Sequence[torch.Tensor],
+) -> None:
+    """Pack ``tensors`` into each of ``buffers`` (flat, on the targets' GPUs, the tensors' own
+    first): one fused copy into the first, one device-to-device copy of it into each other."""
+    flatten(tensors, metas, offsets, buffers[0].device, out=buffers[0])
+    for buf in buffers[1:]:
+        buf[: offsets[-1]].copy_(buffers[0][: offsets[-1]])
+
+
+def _ipc_handles(
+    tensors: list[torch.Tensor],
+    metas: tuple[TensorMeta, ...],
+    offsets: tuple[int, ...],
+    devices: Sequence[str] | None = None,
+) -> tuple[dict[str, IpcHandle], list[torch.Tensor]]:
+    """One flat buffer and its IPC handle for every target GPU (``ipc_targets``), so each engine
+    rank finds its GPU's handle by UUID."""
+    if not tensors:
+        return {}, []
+    buffers = [torch.empty(offsets[-1], dtype=torch.uint8, device=d) for d in ipc_targets(tensors, devices)]
+    pack_flat(tensors, metas, offsets, buffers)
+    return {device_uuid(b.device): IpcHandle.export(b) for b in buffers}, buffers
+
+
+def _rebuild_ipc(payload: dict[str, IpcHandle], device: torch.device | str | None) -> torch.Tensor:
     index = torch.device(device).index if device is not None else None
     index = torch.cuda.current_device() if index is None else index
     uuid = device_uuid(index)
@@ -470,10 +558,15 @@ def _rebuild_ipc(payload: dict[str, Any], device: torch.device | str | None) -> 
             f"no CUDA IPC handles for this engine's GPU {uuid}; the payload has {sorted(payload)}. "
             "cuda_ipc needs trainer and engine colocated on the same GPUs"
         )
-    rebuild, args = payload[uuid]
-    args = list(args)
+    handle = payload[uuid]
+    if handle.key is not None and handle.key in _staged:
+        return _staged[handle.key]
+    args = list(handle.args)
     args[6] = index  # the producer's device index → ours (same physical GPU)
-    return rebuild(*args)
+    buf = handle.rebuild(*args)
+    if handle.key is not None:
+        _staged[handle.key] = buf
+    return buf
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import pickle
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -18,15 +18,16 @@ from typing import Any, ClassVar
 import ray
 import torch
 
-from rollgen.base import BaseGeneration
+from rollgen.base import BaseGeneration, serialised
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.dispatch import SampleDispatcher
 from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec, running
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
-from rollgen.errors import ConfigError
+from rollgen.errors import ConfigError, WorkerError
 from rollgen.refit import WeightBucket, WeightSpec, dtype_name
 from rollgen.rollout import SampleRequest
+from rollgen.staging import RefitStaging, flat_sizes
 from rollgen.weight_sync import SyncGroupSpec
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,8 @@ class RayGeneration(BaseGeneration):
     #: (validation, clamping) is that much shorter than the context length the engine gets.
     reserved_context: ClassVar[int] = 0
     engines_in_process: ClassVar[bool] = False
+    #: The ranks each engine joins a weight-sync group with (None: one per tensor-parallel rank).
+    sync_ranks_per_engine: ClassVar[int | None] = None
 
     def __init__(
         self, config: Mapping[str, Any], cluster: RayVirtualCluster | None = None, backend: Any = None
@@ -165,6 +168,12 @@ class RayGeneration(BaseGeneration):
                 self.group, [info["capacity"] for info in self.engine_info], self._streams.deliver
             )
             on_failure.pop_all()
+        #: Where ``refit`` packs over CUDA IPC, when every worker reports its GPUs.
+        self._staging = (
+            RefitStaging()
+            if self.local_transport == "cuda_ipc" and all(info["devices"] for info in self.engine_info)
+            else None
+        )
         logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, self.engine_info[0])
 
     def make_plan(self, use_gpus: bool) -> EnginePlan:
@@ -212,27 +221,75 @@ class RayGeneration(BaseGeneration):
         self._dispatcher.abort(keys)
 
     def _apply_bucket(self, bucket: WeightBucket) -> None:
-        # one pickle per leader: shared-memory handles are made per receiver
-        self.group.call_sharded(
-            EngineWorker.apply_bucket, [pickle.dumps(bucket) for _ in range(self.dp_size)]
+        self._send_bucket(bucket, reset_prefix=False)
+
+    def _apply_last_bucket(self, bucket: WeightBucket) -> None:
+        self._send_bucket(bucket, reset_prefix=True)
+
+    def _send_bucket(self, bucket: WeightBucket, reset_prefix: bool) -> None:
+        # one pickle per leader: shared-memory handles are made per receiver, and a staged
+        # bucket carries the leader's own exports of the staging buffers
+        data = [self._pickled(bucket, i) for i in range(self.dp_size)]
+        self.group.get(
+            self.group.submit(EngineWorker.apply_bucket, [(d, bucket.transport, reset_prefix) for d in data])
         )
+
+    def _pickled(self, bucket: WeightBucket, worker: int) -> bytes:
+        if bucket.staged and self._staging is not None:
+            return self._staging.pickled(bucket, self.engine_info[worker]["devices"], worker)
+        return pickle.dumps(bucket)
+
+    # ---- staging buffers (refit over CUDA IPC) ----------------------------------------------------
+    def _packer(
+        self, groups: Sequence[Sequence[tuple[str, torch.Tensor]]], dtype: torch.dtype | None
+    ) -> Callable[[Sequence[tuple[str, torch.Tensor]], bool], WeightBucket]:
+        """Over CUDA IPC, where every worker reports its GPUs: into the staging buffers, made
+        (or replaced by larger ones) for the largest bucket first."""
+        staging = self._staging
+        if staging is None:
+            return super()._packer(groups, dtype)
+        need = max(flat_sizes(groups, dtype), default=0)
+        devices = sorted(set(self.engine_devices))
+        if not staging.fits(devices, need):
+            self.release_refit_buffers()
+            staging.allocate(devices, need)
+        return lambda group, check: staging.pack(group, dtype, check)
+
+    def _checks_packed(self, groups: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> bool:
+        return self._staging is not None and len(groups) == 1
+
+    def _staged_bucket_bytes(self) -> int | None:
+        return (self._staging.capacity or None) if self._staging is not None else None
+
+    @serialised
+    def release_refit_buffers(self) -> None:
+        if self._staging is None or not self._staging.keys:
+            return
+        try:
+            self.group.call_all(EngineWorker.release_staged, self._staging.keys)
+        finally:
+            self._staging.release()
 
     @property
     def engine_devices(self) -> tuple[str, ...]:
         return tuple(uuid for info in self.engine_info for uuid in info["devices"])
 
     @property
+    def _ranks_per_engine(self) -> int:
+        return self.sync_ranks_per_engine or self.plan.spec.tensor_parallel_size
+
+    @property
     def weight_sync_ranks(self) -> int:
-        return self.dp_size * self.plan.spec.tensor_parallel_size
+        return self.dp_size * self._ranks_per_engine
 
     @property
     def sync_device(self) -> torch.device:
         return torch.device("cuda" if self.use_gpus else "cpu")
 
     def _join_weight_sync(self, spec: SyncGroupSpec) -> Callable[[], None]:
-        tp = self.plan.spec.tensor_parallel_size
+        ranks = self._ranks_per_engine
         refs = self.group.submit(
-            EngineWorker.join_weight_sync, [(spec, 1 + i * tp) for i in range(self.dp_size)]
+            EngineWorker.join_weight_sync, [(spec, 1 + i * ranks) for i in range(self.dp_size)]
         )
 
         def joined() -> None:
@@ -257,6 +314,10 @@ class RayGeneration(BaseGeneration):
         self.group.call_all(EngineWorker.wake, tags)
 
     def _shutdown(self) -> None:
+        try:
+            self.release_refit_buffers()
+        except WorkerError as exc:  # a dead worker: its mappings went with it
+            logger.warning("%s: the engines could not release the refit buffers: %s", self.name, exc)
         self._release()
 
     def _release(self) -> None:

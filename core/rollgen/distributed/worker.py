@@ -24,7 +24,7 @@ from rollgen.data import BatchedDataDict, unpad
 from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.errors import RollgenError
 from rollgen.output import assemble_from_lists
-from rollgen.refit import WeightBucket, WeightSpec
+from rollgen.refit import WeightBucket, WeightSpec, release_staged
 from rollgen.rollout import FinishedSample, SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.weight_sync import SyncGroupSpec
@@ -162,10 +162,18 @@ class EngineWorker(ABC):
             request.input_ids, request.input_lengths, tokens, logprobs, self.spec.pad_token_id
         )
 
-    def apply_bucket(self, data: bytes) -> None:
-        """Load one pickled, validated ``WeightBucket`` (one pickle per worker: shared-memory
-        handles open once per receiver)."""
-        self._load_bucket(pickle.loads(data).resolve())
+    def apply_bucket(self, data: bytes, transport: str, reset_prefix: bool = False) -> None:
+        """Load one pickled, validated ``WeightBucket`` of ``transport`` (one pickle per worker:
+        shared-memory handles open once per receiver, and staged CUDA IPC buffers are exported
+        for each); ``reset_prefix``: then drop every cached prefix (an update's last bucket: one
+        round trip for both)."""
+        self._load_pickled(data, transport)
+        if reset_prefix:
+            self._reset_prefix_cache()
+
+    def release_staged(self, keys: list[str]) -> None:
+        """Unmap the trainer's staging buffers ``keys`` (it frees them once every worker has)."""
+        self._release_staged(keys)
 
     def join_weight_sync(self, spec: SyncGroupSpec, first_rank: int) -> None:
         """Join a weight-sync group: this engine's TP rank r as ``first_rank + r``."""
@@ -289,6 +297,14 @@ class EngineWorker(ABC):
     @abstractmethod
     def _load_bucket(self, bucket: WeightBucket) -> None:
         """Load a validated bucket of full (unsharded) HF-named tensors into every rank."""
+
+    def _load_pickled(self, data: bytes, transport: str) -> None:
+        """Load a pickled bucket (engines whose ranks can take it as it is pass it on)."""
+        self._load_bucket(pickle.loads(data).resolve())
+
+    def _release_staged(self, keys: list[str]) -> None:
+        """Unmap staging buffers wherever this engine mapped them (here, by default)."""
+        release_staged(keys)
 
     @abstractmethod
     def _reset_prefix_cache(self) -> None:

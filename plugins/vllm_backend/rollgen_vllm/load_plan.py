@@ -74,14 +74,22 @@ class Plan:
     params: tuple[int, ...]
     verified: bool = False
 
+    def sources(self, incoming: Sequence[torch.Tensor]) -> list[list[torch.Tensor] | None]:
+        """Each step's source views of ``incoming`` (None for a constant fill)."""
+        return [[s.of(incoming) for s in st.srcs] if isinstance(st, CopyRun) else None for st in self.steps]
+
     @torch.no_grad()
-    def replay(self, incoming: Sequence[torch.Tensor]) -> None:
-        for step in self.steps:
+    def copy(self, sources: Sequence[list[torch.Tensor] | None]) -> None:
+        """Make the plan's writes from ``sources`` (``sources`` of the incoming tensors)."""
+        for step, srcs in zip(self.steps, sources):
             if isinstance(step, CopyRun):
-                torch._foreach_copy_(step.dsts, [s.of(incoming) for s in step.srcs])
+                torch._foreach_copy_(step.dsts, srcs)
             else:
                 func, args, kwargs = step
                 func(*args, **kwargs)
+
+    def replay(self, incoming: Sequence[torch.Tensor]) -> None:
+        self.copy(self.sources(incoming))
 
     def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None:
         """The first copy whose destination differs from its source (after a load), if any."""
@@ -182,24 +190,34 @@ def overlapping(dsts: Iterable[torch.Tensor]) -> bool:
 
 
 class LoadPlans:
-    """The plans of one model, by incoming layout (names, shapes, dtypes, strides)."""
+    """The plans of one model, by incoming layout (names, shapes, dtypes, strides, devices)."""
 
     def __init__(self, params: Callable[[], Iterable[torch.Tensor]]) -> None:
         self.params = params
         self.plans: dict[tuple[Any, ...], Plan | None] = {}
+        #: A kept incoming list (``load(keep=True)``: views of a staging buffer, the same list
+        #: every refit), its layout and its verified plan's sources.
+        self._kept: tuple[Named, tuple[Any, ...], list[list[torch.Tensor] | None]] | None = None
 
     def fingerprint(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self.params())
 
-    def load(self, named: Named, loader: Callable[[Named], object]) -> LoadWay:
+    def load(self, named: Named, loader: Callable[[Named], object], keep: bool = False) -> LoadWay:
         """Load ``named``: by its layout's plan, or through ``loader`` (recording a plan the first
-        time this layout is seen)."""
-        key = tuple((n, tuple(t.shape), t.dtype, t.stride()) for n, t in named)
+        time this layout is seen). ``keep``: ``named`` comes again as the same list with new
+        values (a staging buffer's views), so its layout and its plan's sources are kept for
+        then (until ``forget_kept``)."""
+        kept = self._kept if self._kept is not None and self._kept[0] is named else None
+        # the device too: a layout recorded from GPU tensors (CUDA IPC) does not replay host ones (gloo)
+        key = kept[1] if kept else tuple((n, tuple(t.shape), t.dtype, t.stride(), t.device) for n, t in named)
         incoming = [t for _, t in named]
         plan = self.plans.get(key)
         if plan is not None and plan.params == self.fingerprint():
-            plan.replay(incoming)
+            sources = kept[2] if kept else plan.sources(incoming)
+            plan.copy(sources)
             if plan.verified:
+                if keep:
+                    self._kept = (named, key, sources)
                 return "replayed"
             self.verify(key, plan, named, incoming, loader)
             return "verified"
@@ -219,6 +237,10 @@ class LoadPlans:
             logger.info("weights of this layout load through the engine's loaders each time: %s", reason)
         self.plans[key] = None if reason is not None else Plan(recorder.steps, before)
         return "recorded"
+
+    def forget_kept(self) -> None:
+        """Let go of the kept incoming list (its staging buffer is being released)."""
+        self._kept = None
 
     def verify(
         self,

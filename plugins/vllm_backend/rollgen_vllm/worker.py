@@ -179,8 +179,20 @@ class VllmWorker(EngineWorker):
 
     def _load_bucket(self, bucket: WeightBucket) -> None:
         # one pickle per TP rank: shared-memory handles open once each
-        per_rank = [pickle.dumps(bucket) for _ in range(self.spec.tensor_parallel_size)]
+        self._load_per_rank([pickle.dumps(bucket) for _ in range(self.spec.tensor_parallel_size)])
+
+    def _load_pickled(self, data: bytes, transport: str) -> None:
+        if transport != "cuda_ipc":
+            super()._load_pickled(data, transport)
+            return
+        # handles of GPU buffers, not memory: every rank takes the driver's pickle as it is
+        self._load_per_rank([data] * self.spec.tensor_parallel_size)
+
+    def _load_per_rank(self, per_rank: list[bytes]) -> None:
         self._rpc(RollgenWorkerExtension.rollgen_load_bucket, per_rank, self.spec.engine["replay_refit"])
+
+    def _release_staged(self, keys: list[str]) -> None:
+        self._rpc(RollgenWorkerExtension.rollgen_release_staged, keys)
 
     def _devices(self) -> list[str]:
         return self._rpc(RollgenWorkerExtension.rollgen_device_uuid)
