@@ -1,5 +1,7 @@
 """Colocated refit by CUDA IPC: end-to-end time and GB/s of a full-model refit, by bucket size,
-against the physical floor (a device-to-device copy of the same bytes on the same GPU)."""
+against the physical floor (a device-to-device copy of the same bytes on the same GPU); where a
+refit's time goes (``staged``), and the path without staging buffers (``ephemeral``: fresh
+buffers, mapped by the engine each time) in the same run."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import timed, timed_call
-from rollgen.refit import WeightSpec, default_bucket_bytes, iter_buckets, nonfinite
+from rollgen.refit import WeightSpec, bucket_groups, default_bucket_bytes, iter_buckets, nonfinite
+from rollgen.staging import RefitStaging, flat_sizes
 
 #: The columns of the printed table.
 COLUMNS = ["bucket_mib", "default", "checked", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"]
@@ -101,7 +104,7 @@ def measure(
 
 def finite_check(state: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
     """The NaN and infinity check of a whole state dict alone (``rollgen.refit.nonfinite``: one
-    fused max-abs pass and one host sync per device), median of ``repeats``."""
+    fused 2-norm pass and one host sync per device), median of ``repeats``."""
     named = list(state.items())
     nonfinite(named)  # warm-up
     times = [timed(partial(nonfinite, named)) for _ in range(repeats)]
@@ -110,8 +113,9 @@ def finite_check(state: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]
 
 
 def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[str, Any]:
-    """Where one refit's time goes, bucket by bucket, through rollgen's public steps: packing
-    (``iter_buckets``: flat copy and handles, in this process), the hop to the engine
+    """Where the time of the path without staging buffers goes (``ephemeral``), bucket by bucket,
+    through rollgen's public steps: packing (``iter_buckets``: fresh flat buffers and handles, in
+    this process), the hop to the engine
     (``update_weights`` of one bucket: pickling, the Ray call, the engine's RPC to its workers,
     less what the workers report), the engine mapping the bucket and its weight loaders (the
     benchmarks' worker extension times them on TP rank 0 of the first engine); ``loaded_by``
@@ -150,3 +154,51 @@ def after_generate(gen: Any, state: dict[str, torch.Tensor], batch: Any, repeats
         gen.generate(batch, greedy=True)
         times.append(timed(partial(gen.refit, state)))
     return {**bucket_fields(0, state), "refit_after_generate_ms": statistics.median(times) * 1e3}
+
+
+def staged(gen: Any, state: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
+    """Where a refit at the default bucket goes, through rollgen's staging buffers: packing
+    (``RefitStaging.pack`` of the same buckets into buffers of its own on the engine GPUs, the
+    copies finished), the engine mapping and loading (the benchmarks' worker extension times
+    them on TP rank 0 of the first engine, last bucket), and the rest, the hop (the driver's
+    own work, the Ray call, the engine's RPC to its workers); without the NaN check
+    (``check_finite=False``), which ``finite_check`` times alone. Beside them, the floors of the
+    hop: a bare Ray call to the engine's actor (``ray_ms``) and a call of a worker-extension
+    method through it to rank 0 (``rpc_ms``, the path a bucket takes)."""
+    import ray
+
+    refits = [timed(partial(gen.refit, state, check_finite=False)) for _ in range(repeats + 1)][1:]
+    rank0 = gen.collective_rpc("bench_last_load")[0][0]
+    actor = gen.group.workers[0]
+    rays = [timed(lambda: ray.get(actor.__ray_ready__.remote())) for _ in range(repeats + 1)][1:]
+    rpcs = [timed(partial(gen.collective_rpc, "bench_last_load")) for _ in range(repeats)]
+    groups = list(bucket_groups(state))
+    staging = RefitStaging()
+    staging.allocate(sorted(set(gen.engine_devices)), max(flat_sizes(groups, None)))
+    packs = [timed(lambda: [staging.pack(g, None, False) for g in groups]) for _ in range(repeats)]
+    staging.release()
+    torch.cuda.empty_cache()
+    refit_s, pack_s = statistics.median(refits), statistics.median(packs)
+    return {
+        **bucket_fields(0, state),
+        "buckets": len(groups),
+        "refit_unchecked_ms": refit_s * 1e3,
+        "pack_ms": pack_s * 1e3,
+        "hop_ms": (refit_s - pack_s - rank0["map_s"] - rank0["load_s"]) * 1e3,
+        "map_ms": rank0["map_s"] * 1e3,
+        "load_ms": rank0["load_s"] * 1e3,
+        "loaded_by": rank0["way"],
+        "ray_ms": statistics.median(rays) * 1e3,
+        "rpc_ms": statistics.median(rpcs) * 1e3,
+    }
+
+
+def ephemeral(gen: Any, state: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
+    """The refit without staging buffers, as ``iter_buckets`` + ``update_weights`` send it:
+    fresh flat buffers each time, which the engine maps and unmaps (median after one warm-up)."""
+
+    def send() -> None:
+        gen.update_weights(iter_buckets(state, gen.local_transport, devices=gen.engine_devices))
+
+    times = [timed(send) for _ in range(repeats + 1)][1:]
+    return {**bucket_fields(0, state), "ephemeral_refit_ms": statistics.median(times) * 1e3}

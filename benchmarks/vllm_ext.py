@@ -20,15 +20,17 @@ EXTENSION = f"{__name__}.BenchWorkerExtension"
 class BenchWorkerExtension(RollgenWorkerExtension):
     """Methods reached through ``collective_rpc``; ``self`` is a vLLM worker."""
 
-    def rollgen_unpack(self, per_rank: list[bytes]) -> list[tuple[str, torch.Tensor]]:
+    def rollgen_unpack(self, per_rank: list[bytes]) -> tuple[list[tuple[str, torch.Tensor]], bool]:
         start = time.perf_counter()
-        named = super().rollgen_unpack(per_rank)
+        unpacked = super().rollgen_unpack(per_rank)
         self.bench_load = {"map_s": time.perf_counter() - start}
-        return named
+        return unpacked
 
-    def rollgen_load(self, named: list[tuple[str, torch.Tensor]], replay: bool) -> LoadWay:
+    def rollgen_load(
+        self, named: list[tuple[str, torch.Tensor]], replay: bool, kept: bool = False
+    ) -> LoadWay:
         start = time.perf_counter()
-        way = super().rollgen_load(named, replay)
+        way = super().rollgen_load(named, replay, kept)
         self.bench_load.update(load_s=time.perf_counter() - start, way=way, tensors=len(named))
         return way
 

@@ -235,12 +235,17 @@ def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     profiles = [refit.profile(gen, state, mib) for mib in args.bucket_mib]
     after = [refit.after_generate(gen, state, workload_batch(1), args.repeats)]
     finite = [refit.finite_check(state, args.repeats)]
+    steps = [refit.staged(gen, state, args.repeats)]
+    unstaged = [refit.ephemeral(gen, state, args.repeats)]
     del state
+    gen.release_refit_buffers()
     torch.cuda.empty_cache()
     print_table(refits, refit.COLUMNS)
     print_table(profiles, list(profiles[0]))
     print_table(after, list(after[0]))
     print_table(finite, list(finite[0]))
+    print_table(steps, list(steps[0]))
+    print_table(unstaged, list(unstaged[0]))
     sleeps = [
         sleep_wake.measure_rollgen(gen, device.index, args.repeats),
         sleep_wake.measure("raw", partial(llm.sleep, level=1), [llm.wake_up], device.index, args.repeats),
@@ -253,6 +258,8 @@ def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
         "profile": profiles,
         "after_generate": after,
         "finite_check": finite,
+        "staged": steps,
+        "ephemeral": unstaged,
         "sleep_wake": sleeps,
     }
 
