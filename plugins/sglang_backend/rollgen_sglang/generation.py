@@ -15,3 +15,6 @@ class SglangGeneration(RayGeneration):
     #: SGLang 0.5.16 takes prompts of at most its context length minus 6 tokens (its
     #: ``max_req_input_len`` is ``context_len - 1 - 5``), and rejects longer ones.
     reserved_context: ClassVar[int] = 6
+    #: Each engine joins a weight-sync group as one rank (its worker, which hands SGLang what it
+    #: receives), whatever its tensor-parallel size.
+    sync_ranks_per_engine: ClassVar[int | None] = 1

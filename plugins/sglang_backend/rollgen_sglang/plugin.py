@@ -16,8 +16,10 @@ CAPABILITIES = frozenset(
         Capability.PER_SAMPLE_SAMPLING,
         Capability.SLEEP_WAKE,
         Capability.REFIT_IPC,
+        Capability.REFIT_COLLECTIVE,
         Capability.TENSOR_PARALLEL,
         Capability.DATA_PARALLEL,
+        Capability.ASYNC,
     }
 )
 
@@ -50,5 +52,9 @@ def rollgen_conformance_known_failures(backend: str) -> Mapping[str, str]:
         "test_reference_agreement[float32]": (
             "SGLang 0.5.16 in fp32 on CUDA (triton attention; FA3 takes half precision only) measured "
             "max |dlogp| 6.4e-3 against the fp32 reference, above the suite's 5e-3 CUDA bound"
-        )
+        ),
+        "test_update_in_flight[keep]": (
+            "the same fp32 gap on the tokens of a keep-mode refit: max |dlogp| 8.8e-3 against the fp32 "
+            "reference of each segment's weights (every version stamp and greedy token right)"
+        ),
     }

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from rollgen.distributed.worker import EngineWorker
 from rollgen.distributed.worker_groups import TiedGroup
-from rollgen.errors import InputError, RefitError
-from rollgen.refit import WeightBucket
+from rollgen.errors import InputError, RefitError, RollgenError
+from rollgen.refit import WeightBucket, WeightSpec, device_uuid
+from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
+from rollgen.weight_sync import SyncGroup, SyncGroupSpec, receive
 
 logger = logging.getLogger(__name__)
+
+#: Seconds one ``_step`` waits for a streamed sample to move before it returns (so new and
+#: aborted samples are taken up that soon).
+STEP_WAIT_S = 0.05
+#: Seconds a prefix-cache flush waits for aborted requests to leave SGLang's scheduler.
+FLUSH_WAIT_S = 60.0
 
 
 def _bundle_gpu_ids(group: TiedGroup) -> list[str]:
@@ -61,8 +73,83 @@ def sampling_params(params: Sequence[SampleParams], seeded: bool) -> list[dict[s
     return out
 
 
+class StreamedRequests:
+    """Streamed samples as SGLang streaming requests on the engine's event loop (one task each,
+    keyed by ``rid``), and what they produced since the last look. Apart from the actor class:
+    Ray runs an actor with coroutine methods on an event loop of its own, which SGLang would
+    then take for its own."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._following: dict[str, asyncio.Task[None]] = {}
+        self._moved: list[tuple[str, list[int], list[float], bool]] = []
+        self._failed: list[str] = []
+        self._news = asyncio.Event()
+
+    def add(self, requests: list[SampleRequest], params: list[dict[str, Any]]) -> None:
+        for request, sp in zip(requests, params):
+            self._following[request.key] = self.engine.loop.create_task(self._follow(request, sp))
+
+    async def _follow(self, request: SampleRequest, params: dict[str, Any]) -> None:
+        """Run one streamed sample, recording the tokens and logprobs of each chunk as it comes
+        (SGLang's chunks carry the whole output so far)."""
+        sent = 0
+        try:
+            chunks = await self.engine.async_generate(
+                input_ids=list(request.prompt_ids),
+                sampling_params=params,
+                return_logprob=True,
+                stream=True,
+                rid=request.key,
+            )
+            async for chunk in chunks:
+                ids, lps = chunk["output_ids"], chunk["meta_info"]["output_token_logprobs"]
+                end = min(len(ids), len(lps))
+                reason = chunk["meta_info"]["finish_reason"]
+                if isinstance(reason, dict) and reason.get("type") == "abort":  # not asked for: a fault
+                    raise RollgenError(f"SGLang aborted it: {reason.get('message')}")
+                finished = reason is not None
+                self._moved.append(
+                    (request.key, list(ids[sent:end]), [float(x[0]) for x in lps[sent:end]], finished)
+                )
+                sent = end
+                self._news.set()
+        except Exception as exc:  # noqa: BLE001 - raised by moves(), which fails the engine's samples
+            self._failed.append(f"sample {request.key}: {type(exc).__name__}: {exc}")
+            self._news.set()
+        finally:
+            self._following.pop(request.key, None)
+
+    async def moves(self) -> list[tuple[str, list[int], list[float], bool]]:
+        """What the samples produced since the last call (waits up to ``STEP_WAIT_S`` for some):
+        (key, new tokens, their logprobs, ended) per chunk."""
+        if not (self._moved or self._failed):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._news.wait(), STEP_WAIT_S)
+        self._news.clear()
+        if self._failed:
+            failed, self._failed = self._failed, []
+            raise RollgenError(f"SGLang failed streamed samples: {'; '.join(failed)}")
+        moved, self._moved = self._moved, []
+        return moved
+
+    async def abort(self, keys: list[str]) -> None:
+        """Abort the requests (in the loop: SGLang's sockets need it) and end their tasks."""
+        for key in keys:
+            self.engine.tokenizer_manager.abort_request(rid=key)
+            task = self._following.pop(key, None)
+            if task is not None:
+                task.cancel()
+        await asyncio.sleep(0)  # the cancelled tasks end
+
+
 class SglangWorker(EngineWorker):
-    """Owns ``sglang.Engine``; TP > 1 runs SGLang's own TP processes on the group's GPUs."""
+    """Owns ``sglang.Engine``; TP > 1 runs SGLang's own TP processes on the group's GPUs.
+
+    Streamed samples are SGLang streaming requests (``StreamedRequests``) on the engine's own
+    event loop, which the decoding thread runs in ``_step``; an abort is SGLang's
+    ``abort_request`` and the end of the sample's task. The core runs nothing else on the
+    engine while samples stream, so one thread runs the loop at a time."""
 
     engine_processes = ("sglang::scheduler", "sglang::detokenizer")
 
@@ -98,6 +185,7 @@ class SglangWorker(EngineWorker):
         kwargs.update(spec.engine_kwargs)
         self.engine = sglang.Engine(**kwargs)
         self.version = sglang.__version__
+        self.streams = StreamedRequests(self.engine)
 
     def _describe(self) -> dict[str, Any]:
         return {"sglang": self.version}
@@ -112,17 +200,50 @@ class SglangWorker(EngineWorker):
         logprobs = [[float(x[0]) for x in o["meta_info"]["output_token_logprobs"]] for o in outputs]
         return tokens, logprobs
 
+    def _add_samples(self, requests: list[SampleRequest]) -> None:
+        self.streams.add(requests, sampling_params([r.params for r in requests], self.seeded))
+
+    def _step(self) -> list[tuple[str, list[int], list[float], bool]]:
+        return self.engine.loop.run_until_complete(self.streams.moves())
+
+    def _abort_samples(self, keys: list[str]) -> None:
+        self.engine.loop.run_until_complete(self.streams.abort(keys))
+
     def _load_bucket(self, bucket: WeightBucket) -> None:
         """Rebuild the CUDA IPC tensors on this GPU and hand them to SGLang, which loads them into
         every TP rank (each keeps its shard). torch cannot pass on a tensor it received over IPC,
         so each is copied once on the device first (one bucket at a time, so bounded)."""
-        named = [(name, t.clone()) for name, t in bucket.unpack("cuda:0")]
+        self._load_named([(name, t.clone()) for name, t in bucket.unpack("cuda:0")])
+
+    def _load_named(self, named: list[tuple[str, Any]]) -> None:
         ok, message = self.engine.update_weights_from_tensor(named, flush_cache=False)
         if not ok:
             raise RefitError(f"SGLang did not load the bucket: {message}")
 
+    def _devices(self) -> list[str]:
+        """The GPU this worker maps CUDA IPC handles on and receives broadcasts on (its first:
+        SGLang's own TP ranks take what it loads)."""
+        return [device_uuid(torch.device("cuda", 0))]
+
+    def _join_weight_sync(self, spec: SyncGroupSpec, first_rank: int) -> None:
+        """This worker joins for its whole engine, as one rank on its first GPU (gloo: in host
+        memory); SGLang's TP ranks take what it receives."""
+        self.sync = SyncGroup(spec, first_rank, torch.device("cuda", 0))
+
+    def _receive_weights(self, spec: WeightSpec) -> bool:
+        # receive's tensors are views of its two receive buffers, which it reuses two buckets
+        # later: SGLang has loaded each bucket by then (update_weights_from_tensor returns after)
+        return receive(self.sync, spec, self._load_named)
+
     def _reset_prefix_cache(self) -> None:
-        self.engine.flush_cache()
+        # SGLang flushes only an idle scheduler: wait for aborted requests to leave it
+        flushed = self.engine.loop.run_until_complete(
+            self.engine.tokenizer_manager.flush_cache(timeout_s=FLUSH_WAIT_S)
+        )
+        if not flushed.success:
+            raise RollgenError(
+                f"SGLang did not flush its prefix cache within {FLUSH_WAIT_S:.0f} s: {flushed.message}"
+            )
 
     def _release_memory(self) -> None:
         self.engine.release_memory_occupation()
