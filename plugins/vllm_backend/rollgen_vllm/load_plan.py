@@ -92,11 +92,13 @@ class Plan:
         self.copy(self.sources(incoming))
 
     def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None:
-        """The first copy whose destination differs from its source (after a load), if any."""
+        """The first copy whose destination differs from its source (after a load), if any;
+        compared on the destination's device (a weight-sync group over gloo delivers host
+        tensors to a GPU engine)."""
         for step in self.steps:
             if isinstance(step, CopyRun):
                 for dst, src in zip(step.dsts, step.srcs):
-                    if not torch.equal(dst, src.of(incoming)):
+                    if not torch.equal(dst, src.of(incoming).to(dst.device)):
                         return f"a copy from incoming tensor {src.index} into a {list(dst.shape)} slice"
         return None
 
