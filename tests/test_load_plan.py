@@ -97,6 +97,35 @@ def test_rebound_parameters_are_recorded_again() -> None:
     assert_same(model.state_dict(), loaded_by_loaders(checkpoint(1)))
 
 
+def test_a_kept_incoming_list_replays_its_new_values_until_its_plan_changes() -> None:
+    """``keep=True``: the same list comes again with new values (a staging buffer's views);
+    each load replays them; after the parameters are rebound the layout is recorded again and
+    the kept sources of the old plan are not used."""
+    model = Model()
+    plans = LoadPlans(model.parameters)
+    named = pack_bucket(checkpoint(0).items(), "shared_memory").unpack()
+
+    def refill(seed: int) -> None:
+        for (_, view), new in zip(named, checkpoint(seed).values()):
+            view.copy_(new)
+
+    ways = []
+    for seed in range(4):
+        refill(seed)
+        ways.append(plans.load(named, model.load_weights, keep=True))
+        assert_same(model.state_dict(), loaded_by_loaders(checkpoint(seed)))
+    assert ways == ["recorded", "verified", "replayed", "replayed"]
+    model.qkv.data = torch.zeros_like(model.qkv)
+    for seed, way in [(4, "recorded"), (5, "verified"), (6, "replayed")]:
+        refill(seed)
+        assert plans.load(named, model.load_weights, keep=True) == way
+        assert_same(model.state_dict(), loaded_by_loaders(checkpoint(seed)))
+    plans.forget_kept()
+    refill(7)
+    assert plans.load(named, model.load_weights) == "replayed"
+    assert_same(model.state_dict(), loaded_by_loaders(checkpoint(7)))
+
+
 class Casting(Model):
     """Loaders a plan cannot replay: they compute on the incoming values."""
 

@@ -1,6 +1,7 @@
 """Refit transports and validation, across a real process boundary for shared memory."""
 
 import multiprocessing as mp
+import pickle
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from rollgen.refit import (
     TensorMeta,
     WeightBucket,
     WeightSpec,
+    bucket_groups,
     check_against_spec,
     check_reach,
     check_source,
@@ -27,7 +29,9 @@ from rollgen.refit import (
     merge_buckets,
     nonfinite,
     pack_bucket,
+    release_staged,
     unflatten,
+    unpack_pickled,
 )
 
 
@@ -133,6 +137,8 @@ def test_non_finite_tensors_are_named_while_packing() -> None:
     inf = torch.tensor([float("inf")], dtype=torch.bfloat16)
     huge = torch.full((4,), 1e30)  # finite, but its 2-norm overflows: checked element-wise
     assert nonfinite([("a", good), ("b", nan), ("c", torch.arange(3)), ("d", inf), ("e", huge)]) == ["b", "d"]
+    wide = [("f", torch.full((2,), 1e300, dtype=torch.float64)), ("g", nan.double()), ("h", good)]
+    assert nonfinite(wide) == ["g"], "float64 tensors are checked in float64, beside the others"
     with pytest.raises(RefitError, match="NaN or infinite") as info:
         pack_bucket([("a", good), ("b", nan)], "tensors")
     assert info.value.problems == ["b"]
@@ -261,6 +267,46 @@ def test_a_rejected_refit_leaves_the_engine_serving(hf_config: dict) -> None:
         assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], before["output_ids"])
 
 
+def test_the_prefix_reset_comes_with_the_last_bucket(hf_config: dict, monkeypatch) -> None:
+    """A refit after a generate hands its last bucket to ``_apply_last_bucket`` (engines reached
+    over a round trip load it and reset the prefix cache in one call), the others to
+    ``_apply_bucket``; a refit after no generate resets nothing."""
+    batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
+    with rollgen.create_generation(hf_config) as engine:
+        calls: list[str] = []
+        apply, last = engine._apply_bucket, engine._apply_last_bucket
+        monkeypatch.setattr(engine, "_apply_bucket", lambda b: (calls.append("bucket"), apply(b)))
+        monkeypatch.setattr(engine, "_apply_last_bucket", lambda b: (calls.append("last"), last(b)))
+        monkeypatch.setattr(engine, "_reset_prefix_cache", lambda: calls.append("reset"))
+        weights = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in engine.weight_spec.items()}
+        count = len(list(bucket_groups(weights, 1 << 14)))
+        assert count > 2
+        engine.generate(batch)
+        engine.refit(weights, bucket_bytes=1 << 14)
+        # hf's _apply_last_bucket is the default: the bucket, then the reset
+        assert calls == ["bucket"] * (count - 1) + ["last", "bucket", "reset"]
+        calls.clear()
+        engine.refit(weights, bucket_bytes=1 << 14)
+        assert calls == ["bucket"] * count
+
+
+def test_a_staged_buckets_unpacked_tensors_are_kept_until_released() -> None:
+    """A receiver keeps what it unpacked of a staged bucket (views of a mapping it keeps) while
+    the same pickle comes, and lets go of it on ``release_staged``; other buckets are unpacked
+    anew each time."""
+    tensors = [torch.arange(4.0), torch.ones(2, 2)]
+    metas = tuple(TensorMeta.of(n, t) for n, t in zip("ab", tensors))
+    staged = pickle.dumps(WeightBucket("tensors", metas, tensors, staged=True))
+    plain = pickle.dumps(WeightBucket("tensors", metas, tensors))
+    first, kept = unpack_pickled(staged)
+    again, kept_again = unpack_pickled(staged)
+    assert kept and kept_again and again is first and [n for n, _ in first] == ["a", "b"]
+    other, not_kept = unpack_pickled(plain)
+    assert not not_kept and unpack_pickled(plain)[0] is not other
+    release_staged([])
+    assert unpack_pickled(staged)[0] is not first
+
+
 def test_a_layout_refitted_before_skips_no_check_that_another_layout_needs(hf_config: dict) -> None:
     """refit keeps the checks of the last layout that passed (a trainer refits the same layout
     every step) and its buckets: the same layout again is loaded exactly (new values, other bucket
@@ -326,3 +372,33 @@ def test_an_ipc_update_that_misses_an_engine_gpu_is_refused_naming_the_topology(
         check_reach(ipc_stand_in(["GPU-0"]), ["GPU-0", "GPU-1"])
     assert err.value.problems == ["no handle for engine GPU GPU-1"]
     check_reach(WeightBucket("tensors", (), []), ["GPU-0"])  # other transports reach every engine
+
+
+def test_the_packed_bytes_check_finds_what_the_per_tensor_check_finds() -> None:
+    """Staging buffers are checked with one sum over the packed bytes (their padding included):
+    a NaN or infinity in a tensor is named; a NaN pattern left in the padding (another layout's
+    bytes), a sum that overflows or mixed dtypes only send it to the exact per-tensor check."""
+    from rollgen.staging import _Layout, _require_finite
+
+    def layout(tensors: list[torch.Tensor]) -> _Layout:
+        metas = tuple(TensorMeta.of(n, t) for n, t in zip("abc", tensors))
+        offsets = flat_offsets(m.nbytes for m in metas)
+        buf = torch.zeros(offsets[-1], dtype=torch.uint8)
+        views = unflatten(buf, metas, offsets)
+        for view, t in zip(views, tensors):
+            view.copy_(t)
+        return _Layout(WeightBucket("cuda_ipc", metas, {}, offsets, staged=True), [buf], views)
+
+    bf16 = [torch.randn(3, dtype=torch.bfloat16), torch.randn(5, dtype=torch.bfloat16)]
+    _require_finite(layout(bf16))
+    nan = layout([bf16[0], torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)])
+    with pytest.raises(RefitError) as info:
+        _require_finite(nan)
+    assert info.value.problems == ["b"]
+    padded = layout(bf16)
+    padded.buffers[0][6:8] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8)
+    _require_finite(padded)  # the sum is NaN, the tensors are not
+    _require_finite(layout([torch.full((4,), 3e38), torch.full((4,), 3e38)]))  # the sum overflows
+    with pytest.raises(RefitError) as mixed:
+        _require_finite(layout([torch.ones(2, dtype=torch.float64), torch.tensor([float("inf")])]))
+    assert mixed.value.problems == ["b"]

@@ -104,6 +104,9 @@ class BaseGeneration(ABC):
         #: index into its tensors) for a bucket size: a trainer refits the same layout each step.
         self._checked_layout: tuple[Any, ...] | None = None
         self._refit_groups: tuple[Any, list[list[int]]] = (None, [])
+        #: The bucket size of refits that give none, set by the first of them (a quarter of the
+        #: source GPU's free memory then): every later one has the same buckets.
+        self._default_bucket_bytes: int | None = None
         #: A generate returned non-finite logprobs: the engine's KV cache may hold NaNs, which
         #: the next complete refit clears.
         self._kv_poisoned = False
@@ -450,9 +453,11 @@ class BaseGeneration(ABC):
         """Push a local model or state dict into the engine: validate everything (names, shapes,
         dtypes, the whole model covered unless ``partial``, no NaN or infinite value unless
         ``check_finite`` is False), then stream bounded buckets over ``local_transport``
-        (``bucket_bytes`` None: a quarter of the free memory of the source's GPU, 64 MiB to 4 GiB;
-        1 GiB from host memory), or broadcast them over the weight-sync group when this process
-        is its sender (``init_weight_sync(..., local_sender=True)``). ``dtype`` casts while
+        (``bucket_bytes`` None: the size the first such refit took, a quarter of the free memory
+        of the source's GPU then, 64 MiB to 4 GiB, or 1 GiB from host memory; over CUDA IPC into
+        staging buffers kept between refits, ``release_refit_buffers``), or broadcast them over
+        the weight-sync group when this process is its sender (``init_weight_sync(...,
+        local_sender=True)``). ``dtype`` casts while
         packing. Over CUDA IPC, RefitError before anything is sent unless the source's GPU
         holds every engine GPU's handle. ``mode``: what happens to streamed samples in flight
         (``rollgen.rollout.UpdateMode``; validation comes first, so a rejected refit leaves them
@@ -486,7 +491,9 @@ class BaseGeneration(ABC):
         self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int | None, dtype: torch.dtype | None
     ) -> list[list[tuple[str, torch.Tensor]]]:
         """The buckets ``refit`` packs ``named`` in (kept for the layout and bucket size)."""
-        size = bucket_bytes or self._staged_bucket_bytes() or refit_mod.default_bucket_bytes(named)
+        size = bucket_bytes or self._default_bucket_bytes
+        if size is None:
+            size = self._default_bucket_bytes = refit_mod.default_bucket_bytes(named)
         key = (self._checked_layout, size)
         if self._refit_groups[0] != key:
             indices = list(refit_mod.grouped(list(enumerate(named)), size, dtype))
@@ -541,11 +548,6 @@ class BaseGeneration(ABC):
             group, self.local_transport, dtype=dtype, check_finite=check, devices=devices
         )
 
-    def _staged_bucket_bytes(self) -> int | None:
-        """The bucket size of a refit that gives none, where staging buffers set it (a refit's
-        buckets then keep the layout of the last)."""
-        return None
-
     def release_refit_buffers(self) -> None:  # noqa: B027 - a no-op unless the backend keeps buffers
         """Free the buffers ``refit`` keeps between refits (CUDA IPC staging buffers: one of
         the largest bucket on each engine GPU); the next refit makes new ones. A no-op where
@@ -556,7 +558,7 @@ class BaseGeneration(ABC):
         return self._streams.update(mode, fresh=lambda: self._stale is None)
 
     def _apply(self, buckets: Iterable[WeightBucket], count: int, partial: bool, what: str) -> None:
-        """Load ``count`` validated buckets one at a time (each freed before the next is
+        """Load ``count`` validated buckets one at a time (each loaded before the next is
         packed), the last with the prefix-cache reset a generate since the last reset calls for.
         A failure after the first bucket reached the engine marks the generation stale."""
         applied = 0

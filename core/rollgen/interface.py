@@ -94,6 +94,9 @@ class GenerationInterface(Protocol):
         """Push a local model or state dict into the engine (validated, bucketed). ``mode``: what
         happens to streamed samples in flight."""
 
+    def release_refit_buffers(self) -> None:
+        """Free the buffers ``refit`` keeps between refits (CUDA IPC staging buffers)."""
+
     def weight_sync_spec(
         self, address: str, port: int = 0, *, backend: SyncBackend | None = None, timeout_s: float = 600.0
     ) -> SyncGroupSpec:

@@ -125,8 +125,9 @@ class IpcHandle:
 #: The staging buffers this process maps (a receiver's side of ``IpcHandle.key``).
 _staged: dict[str, torch.Tensor] = {}
 #: The named tensors of the staged buckets this process unpacked, by the pickle they came in (a
-#: trainer sends a layout it sent before in the same pickle).
+#: trainer sends a layout it sent before in the same pickle), the last ``KEPT_UNPACKED``.
 _unpacked: dict[bytes, list[tuple[str, torch.Tensor]]] = {}
+KEPT_UNPACKED = 8
 
 
 def release_staged(keys: Iterable[str]) -> None:
@@ -149,6 +150,8 @@ def unpack_pickled(
         named = bucket.unpack(device)
         if not bucket.staged:
             return named, False
+        if len(_unpacked) >= KEPT_UNPACKED:  # the oldest goes (rotating partial refits)
+            del _unpacked[next(iter(_unpacked))]
         _unpacked[data] = named
     return named, True
 
@@ -382,16 +385,17 @@ def module_group(name: str) -> str:
 
 def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of the floating-point tensors that hold a NaN or an infinity: one fused 2-norm
-    pass (in float32) and one host sync per device, with no kernel per tensor beyond it; a tensor
-    whose norm is not finite is then checked element-wise (a huge but finite tensor overflows its
-    norm)."""
-    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    pass (in float32, float64 tensors in their own) and one host sync per device, with no kernel
+    per tensor beyond it; a tensor whose norm is not finite is then checked element-wise (a huge
+    but finite tensor overflows its norm)."""
+    groups: dict[tuple[torch.device, bool], list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in named:
         if tensor.is_floating_point() and tensor.numel():
-            by_device.setdefault(tensor.device, []).append((name, tensor.detach()))
+            wide = tensor.dtype == torch.float64  # _foreach_norm takes no narrowing dtype
+            groups.setdefault((tensor.device, wide), []).append((name, tensor.detach()))
     bad = []
-    for group in by_device.values():
-        norms = torch._foreach_norm([t for _, t in group], 2, dtype=torch.float32)
+    for (_, wide), group in groups.items():
+        norms = torch._foreach_norm([t for _, t in group], 2, dtype=None if wide else torch.float32)
         suspects = (~torch.stack(norms).isfinite()).nonzero().flatten().tolist()
         bad += [group[i][0] for i in suspects if not bool(torch.isfinite(group[i][1]).all())]
     return bad
@@ -471,13 +475,23 @@ def flatten(
     at ``offsets`` (one fused copy when the tensors are on ``device`` already); ``out``: that
     buffer, given (at least ``offsets[-1]`` bytes)."""
     buf = torch.empty(offsets[-1], dtype=torch.uint8, device=device) if out is None else out
-    views = unflatten(buf, metas, offsets)
-    if all(t.device == buf.device for t in tensors):
-        torch._foreach_copy_(views, tensors)
+    copy_into(unflatten(buf, metas, offsets), tensors)
+    return buf
+
+
+def copy_into(views: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
+    """Copy each tensor into its view (casting): one fused copy where all are on one device."""
+    if tensors and all(t.device == views[0].device for t in tensors):
+        torch._foreach_copy_(list(views), list(tensors))
     else:
         for view, t in zip(views, tensors):
             view.copy_(t)
-    return buf
+
+
+def mirror(buffers: Sequence[torch.Tensor], nbytes: int) -> None:
+    """Copy the first ``nbytes`` of the first buffer into each other one (device to device)."""
+    for buf in buffers[1:]:
+        buf[:nbytes].copy_(buffers[0][:nbytes])
 
 
 def unflatten(
@@ -530,8 +544,7 @@ def pack_flat(
     """Pack ``tensors`` into each of ``buffers`` (flat, on the targets' GPUs, the tensors' own
     first): one fused copy into the first, one device-to-device copy of it into each other."""
     flatten(tensors, metas, offsets, buffers[0].device, out=buffers[0])
-    for buf in buffers[1:]:
-        buf[: offsets[-1]].copy_(buffers[0][: offsets[-1]])
+    mirror(buffers, offsets[-1])
 
 
 def _ipc_handles(

@@ -16,16 +16,22 @@ from dataclasses import dataclass
 
 import torch
 
+from rollgen.errors import RefitError
 from rollgen.refit import (
     IpcHandle,
     TensorMeta,
     WeightBucket,
+    copy_into,
     device_uuid,
     flat_offsets,
     ipc_targets,
+    mirror,
     require_finite,
     unflatten,
 )
+
+#: Bucket layouts kept (their views, bucket and pickles) before the oldest is dropped.
+KEPT_LAYOUTS = 8
 
 
 @dataclass
@@ -71,9 +77,17 @@ class RefitStaging:
         (whose receivers must have released them)."""
         self.release()
         self._generation = uuid.uuid4().hex
-        for device in ipc_targets([], devices):
-            # zeros: the padding between tensors stays zero (``_require_finite`` sums over it)
-            self._buffers[device_uuid(device)] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        try:
+            for device in ipc_targets([], devices):
+                # zeros: ``_require_finite`` sums over the padding between tensors too (bytes
+                # another layout left there only send it to the exact per-tensor check)
+                self._buffers[device_uuid(device)] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError as exc:
+            self.release()
+            raise RefitError(
+                f"cannot hold a staging buffer of {nbytes} bytes on each engine GPU ({exc}); nothing "
+                "was sent: pass a smaller bucket_bytes, or free memory (release_refit_buffers)"
+            ) from None
 
     @torch.no_grad()
     def pack(
@@ -86,15 +100,8 @@ class RefitStaging:
         tensors = [t for _, t in named]
         key = (dtype, tensors[0].device if tensors else None, tuple((n, t.shape, t.dtype) for n, t in named))
         layout = self._layouts.get(key) or self._layout(key, named, dtype)
-        first = layout.buffers[0]
-        if tensors and all(t.device == first.device for t in tensors):
-            torch._foreach_copy_(layout.views, tensors)
-        else:
-            for view, t in zip(layout.views, tensors):
-                view.copy_(t)
-        end = layout.bucket.offsets[-1]
-        for buf in layout.buffers[1:]:
-            buf[:end].copy_(first[:end])
+        copy_into(layout.views, tensors)
+        mirror(layout.buffers, layout.bucket.offsets[-1])
         if check_finite:
             _require_finite(layout)
         for buf in layout.buffers:  # receivers read on their own streams once this returns
@@ -109,6 +116,9 @@ class RefitStaging:
         targets = ipc_targets([t for _, t in named], list(self._buffers)) if named else []
         buffers = [self._buffers[device_uuid(d)] for d in targets] or list(self._buffers.values())
         bucket = WeightBucket("cuda_ipc", metas, dict.fromkeys(self._buffers), offsets, staged=True)
+        if len(self._layouts) >= KEPT_LAYOUTS:  # the oldest goes (rotating partial refits)
+            old = self._layouts.pop(next(iter(self._layouts)))
+            self._pickles = {k: v for k, v in self._pickles.items() if k[0] != id(old.bucket)}
         layout = self._layouts[key] = _Layout(bucket, buffers, unflatten(buffers[0], metas, offsets))
         return layout
 
@@ -142,8 +152,9 @@ class RefitStaging:
 
 def _require_finite(layout: _Layout) -> None:
     """RefitError naming the packed tensors that hold a NaN or an infinity: where they share a
-    floating dtype, first one sum over the packed bytes (whose padding is zero), which is finite
-    unless one is there (or the sum overflows: then the tensors are checked one by one)."""
+    floating dtype, first one sum over the packed bytes, which is finite unless one is there (or
+    the sum overflows, or padding holds another layout's bytes: then the tensors are checked one
+    by one)."""
     metas, first = layout.bucket.metas, layout.buffers[0]
     dtypes = {m.dtype for m in metas}
     if len(dtypes) == 1:

@@ -32,6 +32,10 @@ from rollgen.weight_sync import SyncGroupSpec
 
 logger = logging.getLogger(__name__)
 
+#: Seconds the driver waits for engines to let go of staging buffers (on release, or after a
+#: bucket failed on one engine while others still read it).
+STAGED_WAIT_S = 60.0
+
 
 @dataclass(frozen=True)
 class EnginePlan:
@@ -230,9 +234,14 @@ class RayGeneration(BaseGeneration):
         # one pickle per leader: shared-memory handles are made per receiver, and a staged
         # bucket carries the leader's own exports of the staging buffers
         data = [self._pickled(bucket, i) for i in range(self.dp_size)]
-        self.group.get(
-            self.group.submit(EngineWorker.apply_bucket, [(d, bucket.transport, reset_prefix) for d in data])
-        )
+        args = [(d, bucket.transport, reset_prefix) for d in data]
+        refs = self.group.submit(EngineWorker.apply_bucket, args)
+        try:
+            self.group.get(refs)
+        except BaseException:
+            if bucket.staged:  # the next refit packs into the buffers the others may still read
+                ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
+            raise
 
     def _pickled(self, bucket: WeightBucket, worker: int) -> bytes:
         if bucket.staged and self._staging is not None:
@@ -251,22 +260,26 @@ class RayGeneration(BaseGeneration):
         need = max(flat_sizes(groups, dtype), default=0)
         devices = sorted(set(self.engine_devices))
         if not staging.fits(devices, need):
-            self.release_refit_buffers()
+            self._release_staging()
             staging.allocate(devices, need)
         return lambda group, check: staging.pack(group, dtype, check)
 
     def _checks_packed(self, groups: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> bool:
         return self._staging is not None and len(groups) == 1
 
-    def _staged_bucket_bytes(self) -> int | None:
-        return (self._staging.capacity or None) if self._staging is not None else None
-
     @serialised
     def release_refit_buffers(self) -> None:
+        self._check_idle("release the refit buffers")  # the engines' decoding threads own them
+        self._release_staging()
+
+    def _release_staging(self) -> None:
+        """Have every engine let go of the staging buffers, then drop them (nothing runs on the
+        engines: a refit's own, or shutdown's)."""
         if self._staging is None or not self._staging.keys:
             return
         try:
-            self.group.call_all(EngineWorker.release_staged, self._staging.keys)
+            refs = self.group.submit(EngineWorker.release_staged, [(self._staging.keys,)] * self.dp_size)
+            self.group.get(refs, timeout_s=STAGED_WAIT_S)
         finally:
             self._staging.release()
 
@@ -315,10 +328,11 @@ class RayGeneration(BaseGeneration):
 
     def _shutdown(self) -> None:
         try:
-            self.release_refit_buffers()
-        except WorkerError as exc:  # a dead worker: its mappings went with it
+            self._release_staging()
+        except WorkerError as exc:  # a dead or hung worker: what it mapped goes with its process
             logger.warning("%s: the engines could not release the refit buffers: %s", self.name, exc)
-        self._release()
+        finally:
+            self._release()
 
     def _release(self) -> None:
         dispatcher = getattr(self, "_dispatcher", None)

@@ -242,7 +242,8 @@ class SglangWorker(EngineWorker):
         )
         if not flushed.success:
             raise RollgenError(
-                f"SGLang did not flush its prefix cache within {FLUSH_WAIT_S:.0f} s: {flushed.message}"
+                f"SGLang did not flush its prefix cache within {FLUSH_WAIT_S:.0f} s ({flushed.message}): "
+                "its scheduler still holds requests; retry the call, or shut the generation down"
             )
 
     def _release_memory(self) -> None:

@@ -198,8 +198,8 @@ class LoadPlans:
         self.params = params
         self.plans: dict[tuple[Any, ...], Plan | None] = {}
         #: A kept incoming list (``load(keep=True)``: views of a staging buffer, the same list
-        #: every refit), its layout and its verified plan's sources.
-        self._kept: tuple[Named, tuple[Any, ...], list[list[torch.Tensor] | None]] | None = None
+        #: every refit), its layout, its verified plan and that plan's sources.
+        self._kept: tuple[Named, tuple[Any, ...], Plan, list[list[torch.Tensor] | None]] | None = None
 
     def fingerprint(self) -> tuple[int, ...]:
         return tuple(p.data_ptr() for p in self.params())
@@ -215,11 +215,12 @@ class LoadPlans:
         incoming = [t for _, t in named]
         plan = self.plans.get(key)
         if plan is not None and plan.params == self.fingerprint():
-            sources = kept[2] if kept else plan.sources(incoming)
+            # the kept sources only while the plan they were made for is the layout's plan
+            sources = kept[3] if kept and kept[2] is plan else plan.sources(incoming)
             plan.copy(sources)
             if plan.verified:
                 if keep:
-                    self._kept = (named, key, sources)
+                    self._kept = (named, key, plan, sources)
                 return "replayed"
             self.verify(key, plan, named, incoming, loader)
             return "verified"
