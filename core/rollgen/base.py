@@ -493,11 +493,10 @@ class BaseGeneration(ABC):
         """The buckets ``refit`` packs ``named`` in (kept for the layout and bucket size)."""
         size = bucket_bytes or self._default_bucket_bytes
         if size is None:
-            size = self._default_bucket_bytes = refit_mod.default_bucket_bytes(named)
+            size = self._default_bucket_bytes = refit_mod.default_bucket_bytes(dict(named))
         key = (self._checked_layout, size)
         if self._refit_groups[0] != key:
-            indices = list(refit_mod.grouped(list(enumerate(named)), size, dtype))
-            self._refit_groups = (key, [[i for i, _ in group] for group in indices])
+            self._refit_groups = (key, list(refit_mod.grouped(named, size, dtype)))
         return [[named[i] for i in group] for group in self._refit_groups[1]]
 
     def _checks_packed(self, groups: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> bool:
@@ -695,14 +694,16 @@ class BaseGeneration(ABC):
         try:
             received = self._receive_weights(self.weight_spec)
             if send is not None:
+                sent = False
                 try:
                     send()
-                except BaseException:
-                    try:  # the engines end the update too, raising the sender's error or their own
-                        received()
-                    except Exception as engines:  # noqa: BLE001 - the sender's error is the one raised
-                        logger.debug("%s: the engines' side of the failed update: %r", self.name, engines)
-                    raise
+                    sent = True
+                finally:
+                    if not sent:  # the engines end the update too, raising the sender's error or their own
+                        try:
+                            received()
+                        except Exception as engines:  # noqa: BLE001 - the sender's error is the one raised
+                            logger.debug("%s: the engines' side of the failed update: %r", self.name, engines)
             partial = received()
         except BaseException as exc:
             if not (isinstance(exc, RefitError) and not exc.stale):  # anything but a clean rejection

@@ -17,7 +17,7 @@ import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 
@@ -30,7 +30,6 @@ TRANSPORT_CAPABILITY: dict[str, Capability] = {
     "shared_memory": Capability.REFIT_TENSORS,
     "cuda_ipc": Capability.REFIT_IPC,
 }
-_Item = TypeVar("_Item")
 #: Bucket size for a source in host memory.
 DEFAULT_BUCKET_BYTES = 1 << 30
 #: Bounds of the bucket size for a source on a GPU (a quarter of its free memory): one 4 GiB
@@ -308,12 +307,10 @@ def gpu_bucket_bytes(free_bytes: int) -> int:
     return max(low, min(high, free_bytes // 4))
 
 
-def default_bucket_bytes(
-    source: torch.nn.Module | Mapping[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]],
-) -> int:
+def default_bucket_bytes(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> int:
     """The bucket size when the caller gives none: ``gpu_bucket_bytes`` of the free memory of
-    the GPU ``source`` (or its named tensors) is on, else ``DEFAULT_BUCKET_BYTES``."""
-    first = next(iter(source), None) if isinstance(source, Sequence) else next(named_tensors(source), None)
+    the GPU ``source`` is on, else ``DEFAULT_BUCKET_BYTES``."""
+    first = next(named_tensors(source), None)
     if first is None or first[1].device.type != "cuda":
         return DEFAULT_BUCKET_BYTES
     return gpu_bucket_bytes(torch.cuda.mem_get_info(first[1].device)[0])
@@ -347,26 +344,26 @@ def bucket_groups(
     check_bucket_bytes(bucket_bytes)
     if bucket_bytes is None:
         bucket_bytes = default_bucket_bytes(source)
-    for group in grouped(((None, nt) for nt in named_tensors(source)), bucket_bytes, dtype):
-        yield [nt for _, nt in group]
+    named = list(named_tensors(source))
+    for group in grouped(named, bucket_bytes, dtype):
+        yield [named[i] for i in group]
 
 
 def grouped(
-    items: Iterable[tuple[_Item, tuple[str, torch.Tensor]]], bucket_bytes: int, dtype: torch.dtype | None
-) -> Iterator[list[tuple[_Item, tuple[str, torch.Tensor]]]]:
-    """Named tensors (each with an item of the caller's) in buckets of about ``bucket_bytes``
-    (after the cast to ``dtype``), module groups kept whole."""
-    group: list[tuple[_Item, tuple[str, torch.Tensor]]] = []
+    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None
+) -> Iterator[list[int]]:
+    """The indices into ``named`` of each bucket of about ``bucket_bytes`` (after the cast to
+    ``dtype``), module groups kept whole."""
+    group: list[int] = []
     size = 0
     last_key = None
-    for item in items:
-        name, tensor = item[1]
+    for i, (name, tensor) in enumerate(named):
         nbytes = tensor.numel() * (dtype or tensor.dtype).itemsize
         key = module_group(name)
         if group and key != last_key and size + nbytes > bucket_bytes:
             yield group
             group, size = [], 0
-        group.append(item)
+        group.append(i)
         size += nbytes
         last_key = key
     if group:
@@ -423,7 +420,16 @@ def pack_bucket(
     """Pack named tensors for ``transport`` (casting to ``dtype`` first when given). RefitError
     if a tensor holds a NaN or an infinity, after the cast (unless ``check_finite`` is False).
     ``devices``: for ``cuda_ipc``, the UUIDs of the GPUs to make handles for (the engines')."""
-    names, tensors, metas = prepare(named, dtype, check_finite)
+    names, tensors = [], []
+    for name, tensor in named:
+        t = tensor.detach()
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        names.append(name)
+        tensors.append(t.contiguous())
+    if check_finite:
+        require_finite(zip(names, tensors))
+    metas = tuple(TensorMeta.of(n, t) for n, t in zip(names, tensors))
     if transport == "tensors":
         return WeightBucket(transport, metas, tensors)
     offsets = flat_offsets(m.nbytes for m in metas)
@@ -435,23 +441,6 @@ def pack_bucket(
         payload, keep = _ipc_handles(tensors, metas, offsets, devices)
         return WeightBucket(transport, metas, payload, offsets, _keepalive=keep)
     raise RefitError(f"unknown refit transport {transport!r}; use tensors, shared_memory or cuda_ipc")
-
-
-def prepare(
-    named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None, check_finite: bool
-) -> tuple[list[str], list[torch.Tensor], tuple[TensorMeta, ...]]:
-    """A bucket's names, its tensors (cast to ``dtype`` where given, contiguous) and their metas;
-    RefitError if a tensor holds a NaN or an infinity after the cast (``check_finite``)."""
-    names, tensors = [], []
-    for name, tensor in named:
-        t = tensor.detach()
-        if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
-        names.append(name)
-        tensors.append(t.contiguous())
-    if check_finite:
-        require_finite(zip(names, tensors))
-    return names, tensors, tuple(TensorMeta.of(n, t) for n, t in zip(names, tensors))
 
 
 def flat_offsets(sizes: Iterable[int]) -> tuple[int, ...]:
@@ -535,18 +524,6 @@ def ipc_targets(tensors: Sequence[torch.Tensor], devices: Sequence[str] | None =
     return [source] if source.type == "cuda" else list(visible.values())
 
 
-def pack_flat(
-    tensors: list[torch.Tensor],
-    metas: tuple[TensorMeta, ...],
-    offsets: tuple[int, ...],
-    buffers: Sequence[torch.Tensor],
-) -> None:
-    """Pack ``tensors`` into each of ``buffers`` (flat, on the targets' GPUs, the tensors' own
-    first): one fused copy into the first, one device-to-device copy of it into each other."""
-    flatten(tensors, metas, offsets, buffers[0].device, out=buffers[0])
-    mirror(buffers, offsets[-1])
-
-
 def _ipc_handles(
     tensors: list[torch.Tensor],
     metas: tuple[TensorMeta, ...],
@@ -554,11 +531,13 @@ def _ipc_handles(
     devices: Sequence[str] | None = None,
 ) -> tuple[dict[str, IpcHandle], list[torch.Tensor]]:
     """One flat buffer and its IPC handle for every target GPU (``ipc_targets``), so each engine
-    rank finds its GPU's handle by UUID."""
+    rank finds its GPU's handle by UUID: one fused copy into the first (on the tensors' GPU),
+    one device-to-device copy of it into each other."""
     if not tensors:
         return {}, []
     buffers = [torch.empty(offsets[-1], dtype=torch.uint8, device=d) for d in ipc_targets(tensors, devices)]
-    pack_flat(tensors, metas, offsets, buffers)
+    flatten(tensors, metas, offsets, buffers[0].device, out=buffers[0])
+    mirror(buffers, offsets[-1])
     return {device_uuid(b.device): IpcHandle.export(b) for b in buffers}, buffers
 
 

@@ -59,11 +59,6 @@ class RefitStaging:
         self._pickles: dict[tuple[int, int], bytes] = {}
 
     @property
-    def capacity(self) -> int:
-        """Bytes every buffer holds (0: none allocated)."""
-        return min((b.numel() for b in self._buffers.values()), default=0)
-
-    @property
     def keys(self) -> list[str]:
         """The keys receivers map the buffers under (what ``release_staged`` takes)."""
         return [self._key(d) for d in self._buffers]

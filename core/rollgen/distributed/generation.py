@@ -238,10 +238,9 @@ class RayGeneration(BaseGeneration):
         refs = self.group.submit(EngineWorker.apply_bucket, args)
         try:
             self.group.get(refs)
-        except BaseException:
-            if bucket.staged:  # the next refit packs into the buffers the others may still read
+        finally:
+            if bucket.staged:  # after a failure, the next refit packs into buffers others may still read
                 ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
-            raise
 
     def _pickled(self, bucket: WeightBucket, worker: int) -> bytes:
         if bucket.staged and self._staging is not None:

@@ -130,10 +130,9 @@ class RayWorkerGroup:
                     raise WorkerError(pending[next(iter(pending))], f"did not answer within {timeout_s} s")
                 for ref in done:
                     self._result(ref, pending.pop(ref))
-        except BaseException:
-            for ref in pending:  # their results, errors included, are taken when they come
+        finally:
+            for ref in pending:  # after a failure: their results, errors included, are taken when they come
                 ref.future().add_done_callback(lambda f: f.exception())
-            raise
         return [self._result(ref, name) for ref, name in zip(refs, names)]
 
     @staticmethod

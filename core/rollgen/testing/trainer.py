@@ -1,8 +1,8 @@
 """A trainer in a process of its own, for tests of refit over a weight-sync group:
 ``python -m rollgen.testing.trainer SPEC_JSON UPDATES_JSON DTYPE DEVICE`` joins the group as its
-sender (its tensors on DEVICE: ``cpu`` or ``cuda:N``), printing "port N" (where it listens: the
-spec's port may be 0), then broadcasts each update in turn, printing "ok" or the RefitError's
-first line after each."""
+sender (its tensors on DEVICE: ``cpu`` or ``cuda:N``), writing "port N" to its stdout (where it
+listens: the spec's port may be 0), then broadcasts each update in turn, writing "ok" or the
+RefitError's first line after each."""
 
 from __future__ import annotations
 
@@ -62,17 +62,23 @@ def send_updates(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     sender = WeightSender(spec, device)
-    print(f"port {sender.spec.port}", flush=True)
+    _tell(f"port {sender.spec.port}")
     sender.connect()
     for model_dir, drop in updates:
         state = dict(load_reference_model(model_dir, torch.float32).to(device).state_dict())
         state.pop(drop or "", None)
         try:
             sender.send(state, dtype=dtype, bucket_bytes=64 << 10)
-            print("ok", flush=True)
+            _tell("ok")
         except RefitError as exc:
-            print(f"RefitError: {str(exc).splitlines()[0]}", flush=True)
+            _tell(f"RefitError: {str(exc).splitlines()[0]}")
     sender.close()
+
+
+def _tell(line: str) -> None:
+    """One line of this process's protocol with the suite: its stdout, which ``Trainer`` reads."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

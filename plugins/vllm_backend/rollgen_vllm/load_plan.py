@@ -88,9 +88,6 @@ class Plan:
                 func, args, kwargs = step
                 func(*args, **kwargs)
 
-    def replay(self, incoming: Sequence[torch.Tensor]) -> None:
-        self.copy(self.sources(incoming))
-
     def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None:
         """The first copy whose destination differs from its source (after a load), if any;
         compared on the destination's device (a weight-sync group over gloo delivers host
