@@ -6,14 +6,23 @@ buffers, mapped by the engine each time) in the same run."""
 from __future__ import annotations
 
 import argparse
+import pickle
 import statistics
+import time
 from functools import partial
 from typing import Any
 
 import torch
 
 from benchmarks.common import timed, timed_call
-from rollgen.refit import WeightSpec, bucket_groups, default_bucket_bytes, iter_buckets, nonfinite
+from rollgen.refit import (
+    WeightSpec,
+    bucket_groups,
+    default_bucket_bytes,
+    iter_buckets,
+    named_tensors,
+    nonfinite,
+)
 from rollgen.staging import RefitStaging, flat_sizes
 
 #: The columns of the printed table.
@@ -162,13 +171,27 @@ def staged(gen: Any, state: dict[str, torch.Tensor], repeats: int) -> dict[str, 
     copies finished), the engine mapping and loading (the benchmarks' worker extension times
     them on TP rank 0 of the first engine, last bucket), and the rest, the hop (the driver's
     own work, the Ray call, the engine's RPC to its workers); without the NaN check
-    (``check_finite=False``), which ``finite_check`` times alone. Beside them, the floors of the
-    hop: a bare Ray call to the engine's actor (``ray_ms``) and a call of a worker-extension
-    method through it to rank 0 (``rpc_ms``, the path a bucket takes)."""
+    (``check_finite=False``), which ``finite_check`` times alone. The hop split by the wall
+    clock (the worker extension notes when the call entered and left it): from the call of
+    ``refit`` until the worker has the bucket (``to_worker_ms``: the driver's work, packing
+    included, and the way there), in the worker, and back. Beside them, the floors of the hop:
+    a bare Ray call to the engine's actor (``ray_ms``) and a call of a worker-extension method
+    through it to rank 0 (``rpc_ms``, the path a bucket takes); and the kept load plan's replay
+    alone, with how many of its copies ``torch._foreach_copy_`` cannot fuse."""
     import ray
 
-    refits = [timed(partial(gen.refit, state, check_finite=False)) for _ in range(repeats + 1)][1:]
-    rank0 = gen.collective_rpc("bench_last_load")[0][0]
+    gen.refit(state, check_finite=False)
+    refits, ways, backs, workers = [], [], [], []
+    for _ in range(repeats):
+        start = time.time()
+        gen.refit(state, check_finite=False)
+        end = time.time()
+        rank0 = gen.collective_rpc("bench_last_load")[0][0]
+        refits.append(end - start)
+        ways.append(rank0["entered"] - start)
+        workers.append(rank0["left"] - rank0["entered"])
+        backs.append(end - rank0["left"])
+    plan = gen.collective_rpc("bench_kept_plan")[0][0]
     actor = gen.group.workers[0]
     rays = [timed(lambda: ray.get(actor.__ray_ready__.remote())) for _ in range(repeats + 1)][1:]
     rpcs = [timed(partial(gen.collective_rpc, "bench_last_load")) for _ in range(repeats)]
@@ -179,6 +202,7 @@ def staged(gen: Any, state: dict[str, torch.Tensor], repeats: int) -> dict[str, 
     staging.release()
     torch.cuda.empty_cache()
     refit_s, pack_s = statistics.median(refits), statistics.median(packs)
+    ms = {k: statistics.median(v) * 1e3 for k, v in {"to": ways, "in": workers, "back": backs}.items()}
     return {
         **bucket_fields(0, state),
         "buckets": len(groups),
@@ -188,8 +212,44 @@ def staged(gen: Any, state: dict[str, torch.Tensor], repeats: int) -> dict[str, 
         "map_ms": rank0["map_s"] * 1e3,
         "load_ms": rank0["load_s"] * 1e3,
         "loaded_by": rank0["way"],
+        "to_worker_ms": ms["to"],
+        "in_worker_ms": ms["in"],
+        "back_ms": ms["back"],
         "ray_ms": statistics.median(rays) * 1e3,
         "rpc_ms": statistics.median(rpcs) * 1e3,
+        "replay_ms": plan.pop("replay_s") * 1e3,
+        **plan,
+    }
+
+
+def in_place(gen: Any, state: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
+    """A refit rollgen does not make (yet): the engine maps the trainer's own tensors once,
+    keeps them, and each refit copies from them into its parameters in place (one device copy,
+    no staging buffer; the kept load plan replayed from the mapped views), through the worker
+    extension (``bench_map_in_place``, ``bench_load_in_place``) on the path a bucket takes.
+    Medians of ``repeats`` after one warm-up, without and with ``rollgen.refit.nonfinite``'s
+    check of the source before the call."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    named = list(named_tensors(state))
+    gen.collective_rpc("bench_map_in_place", pickle.dumps([(n, reduce_tensor(t)) for n, t in named]))
+    load = partial(gen.collective_rpc, "bench_load_in_place")
+    way = load()[0][0]
+
+    def checked() -> None:
+        if nonfinite(named):
+            raise ValueError("the benchmark's state holds a NaN")
+        load()
+
+    plain = [timed(load) for _ in range(repeats)]
+    checks = [timed(checked) for _ in range(repeats)]
+    gen.collective_rpc("bench_unmap_in_place")
+    torch.cuda.ipc_collect()
+    return {
+        **bucket_fields(0, state),
+        "in_place_unchecked_ms": statistics.median(plain) * 1e3,
+        "in_place_checked_ms": statistics.median(checks) * 1e3,
+        "loaded_by": way,
     }
 
 

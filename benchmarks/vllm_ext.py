@@ -6,6 +6,8 @@ through ``vllm_kwargs["worker_extension_cls"]`` (``EXTENSION``) and are asked th
 from __future__ import annotations
 
 import cProfile
+import pickle
+import statistics
 import time
 from typing import Any
 
@@ -19,6 +21,11 @@ EXTENSION = f"{__name__}.BenchWorkerExtension"
 
 class BenchWorkerExtension(RollgenWorkerExtension):
     """Methods reached through ``collective_rpc``; ``self`` is a vLLM worker."""
+
+    def rollgen_load_bucket(self, per_rank: list[bytes], replay: bool) -> None:
+        entered = time.time()  # wall clock: the driver compares it with its own
+        super().rollgen_load_bucket(per_rank, replay)
+        self.bench_load.update(entered=entered, left=time.time())
 
     def rollgen_unpack(self, per_rank: list[bytes]) -> tuple[list[tuple[str, torch.Tensor]], bool]:
         start = time.perf_counter()
@@ -35,8 +42,49 @@ class BenchWorkerExtension(RollgenWorkerExtension):
         return way
 
     def bench_last_load(self) -> dict[str, Any]:
-        """The seconds this rank spent mapping and loading the last bucket, and how it loaded."""
+        """The seconds this rank spent mapping and loading the last bucket, how it loaded, and
+        when (``time.time()``) the call entered and left the worker extension."""
         return dict(self.bench_load)
+
+    def bench_map_in_place(self, data: bytes) -> None:
+        """Map the trainer's own tensors (a pickled list of (name, ``reduce_tensor`` of it)) and
+        keep them: a refit that copies from them in place (``bench_load_in_place``)."""
+        self.bench_in_place = [(name, rebuild(*args)) for name, (rebuild, args) in pickle.loads(data)]
+
+    def bench_load_in_place(self) -> str:
+        """Load the kept mapped tensors (their load plan's sources kept too); how it loaded."""
+        return self.rollgen_load(self.bench_in_place, True, kept=True)
+
+    def bench_unmap_in_place(self) -> None:
+        self.rollgen_load_plans.forget_kept()
+        del self.bench_in_place
+        torch.cuda.ipc_collect()
+
+    def bench_kept_plan(self, repeats: int = 5) -> dict[str, Any]:
+        """The kept load plan (the last staged refit's): its steps, its copies and how many of
+        them ``torch._foreach_copy_``'s fused route refuses (dtypes, sizes or strides that
+        differ, or a tensor that is not dense: then the whole run copies tensor by tensor), and
+        the median seconds of its replay alone, synchronised."""
+        _, _, plan, sources = self.rollgen_load_plans._kept
+        runs = [(step, srcs) for step, srcs in zip(plan.steps, sources) if srcs is not None]
+        pairs = [(d, s) for step, srcs in runs for d, s in zip(step.dsts, srcs)]
+        unfused = sum(not _fusable(d, s) for d, s in pairs)
+        plan.copy(sources)
+        times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            plan.copy(sources)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return {
+            "steps": len(plan.steps),
+            "copy_runs": len(runs),
+            "copies": len(pairs),
+            "unfusable_copies": unfused,
+            "runs_with_unfusable": sum(not all(map(_fusable, st.dsts, sr)) for st, sr in runs),
+            "replay_s": statistics.median(times),
+        }
 
     def bench_profile(self, start: bool, top: int = 40) -> dict[str, Any] | None:
         """A CPU profile (cProfile) of the thread that runs this worker's steps: at TP=1 the
@@ -58,6 +106,23 @@ class BenchWorkerExtension(RollgenWorkerExtension):
                 {"function": _where(e.code), "calls": e.callcount, "own_s": e.inlinetime} for e in top_entries
             ],
         }
+
+
+def _fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``torch._foreach_copy_`` may copy this pair on its fused route."""
+    same = dst.dtype == src.dtype and dst.shape == src.shape and dst.stride() == src.stride()
+    return same and _dense(dst) and _dense(src)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its bytes exactly once (non-overlapping and dense, in any order)."""
+    expected = 1
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _where(code: Any) -> str:

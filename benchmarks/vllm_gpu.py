@@ -225,43 +225,47 @@ def single(args: argparse.Namespace, model: str) -> dict[str, list]:
 
 def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     """rollgen's engine (CUDA graphs) for the refit and sleep/wake; raw vLLM's sleep/wake beside.
-    ``--loaders`` runs vLLM's weight loaders on every refit instead of replaying load plans."""
-    config = rollgen_config(model, False, args.util, gpus_per_bundle=GPU_SHARE, replay_refit=not args.loaders)
+    ``--loaders`` runs vLLM's weight loaders on every refit instead of replaying load plans;
+    ``--in-process`` runs rollgen's engine core in its actor's process (and no sleep/wake: that
+    compares the default engine with raw vLLM)."""
+    config = rollgen_config(
+        model,
+        False,
+        args.util,
+        gpus_per_bundle=GPU_SHARE,
+        replay_refit=not args.loaders,
+        in_process=args.in_process,
+    )
     gen: Any = rollgen.create_generation(config)
-    llm = raw_llm(model, False, args.util)
+    llm = None if args.in_process else raw_llm(model, False, args.util)
     device = engine_device(gen)
     state = refit.random_state(gen.weight_spec, device)
-    refits = refit.measure(gen, state, args.bucket_mib, args.repeats)
-    profiles = [refit.profile(gen, state, mib) for mib in args.bucket_mib]
-    after = [refit.after_generate(gen, state, workload_batch(1), args.repeats)]
-    finite = [refit.finite_check(state, args.repeats)]
-    steps = [refit.staged(gen, state, args.repeats)]
-    unstaged = [refit.ephemeral(gen, state, args.repeats)]
+    results: dict[str, list] = {}
+
+    def step(name: str, rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:
+        print_table(rows, columns or list(rows[0]))
+        results[name] = rows
+        save(args, results)  # after each step: a run cut off keeps what it measured
+
+    step("by_bucket", refit.measure(gen, state, args.bucket_mib, args.repeats), refit.COLUMNS)
+    step("profile", [refit.profile(gen, state, mib) for mib in args.bucket_mib])
+    step("after_generate", [refit.after_generate(gen, state, workload_batch(1), args.repeats)])
+    step("finite_check", [refit.finite_check(state, args.repeats)])
+    step("staged", [refit.staged(gen, state, args.repeats)])
+    step("ephemeral", [refit.ephemeral(gen, state, args.repeats)])
+    step("in_place", [refit.in_place(gen, state, args.repeats)])
     del state
     gen.release_refit_buffers()
     torch.cuda.empty_cache()
-    print_table(refits, refit.COLUMNS)
-    print_table(profiles, list(profiles[0]))
-    print_table(after, list(after[0]))
-    print_table(finite, list(finite[0]))
-    print_table(steps, list(steps[0]))
-    print_table(unstaged, list(unstaged[0]))
-    sleeps = [
-        sleep_wake.measure_rollgen(gen, device.index, args.repeats),
-        sleep_wake.measure("raw", partial(llm.sleep, level=1), [llm.wake_up], device.index, args.repeats),
-    ]
-    print_table(sleeps, sleep_wake.COLUMNS)
+    if llm is not None:
+        sleeps = [
+            sleep_wake.measure_rollgen(gen, device.index, args.repeats),
+            sleep_wake.measure("raw", partial(llm.sleep, level=1), [llm.wake_up], device.index, args.repeats),
+        ]
+        step("sleep_wake", sleeps, sleep_wake.COLUMNS)
+        close_raw(llm)
     gen.shutdown()
-    close_raw(llm)
-    return {
-        "by_bucket": refits,
-        "profile": profiles,
-        "after_generate": after,
-        "finite_check": finite,
-        "staged": steps,
-        "ephemeral": unstaged,
-        "sleep_wake": sleeps,
-    }
+    return results
 
 
 def collective_part(args: argparse.Namespace, model: str) -> dict[str, list]:
@@ -502,6 +506,9 @@ def main() -> None:
     refit.add_bucket_argument(parser)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--loaders", action="store_true", help="refit part: no load-plan replay")
+    parser.add_argument(
+        "--in-process", action="store_true", help="refit part: rollgen's engine core in its actor's process"
+    )
     parser.add_argument(
         "--each-arg", action="store_true", help="ablation part: one engine argument at a time"
     )
