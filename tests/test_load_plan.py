@@ -261,3 +261,15 @@ def test_verification_drops_a_wrong_mapping(caplog: pytest.LogCaptureFixture) ->
     assert "a copy from incoming tensor" in caplog.text
     assert_same(model.state_dict(), loaded_by_loaders(checkpoint(1)))
     assert load(plans, model, checkpoint(2)) == "loaded"
+
+
+def test_bound_parameters_show_a_rebound_parameter() -> None:
+    """The engine's parameter list (its modules listed once) reads each module's parameters as
+    bound at each call: a plan's check of them sees a parameter given a new tensor."""
+    from rollgen_vllm.load_plan import bound_parameters
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    params = bound_parameters(model)
+    assert [p.data_ptr() for p in params()] == [p.data_ptr() for p in model.parameters()]
+    model[1].weight = torch.nn.Parameter(torch.zeros(1, 3))
+    assert any(p is model[1].weight for p in params()) and len(list(params())) == 4

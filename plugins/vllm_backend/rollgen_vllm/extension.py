@@ -18,7 +18,7 @@ from rollgen.errors import ConfigError
 from rollgen.refit import WeightSpec, device_uuid, release_staged, unpack_pickled
 from rollgen.weight_sync import SyncGroup, SyncGroupSpec, receive
 from rollgen_vllm import logs
-from rollgen_vllm.load_plan import LoadPlans, LoadWay
+from rollgen_vllm.load_plan import LoadPlans, LoadWay, bound_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class RollgenWorkerExtension:
             model.load_weights(weights=named)
         else:
             if not hasattr(self, "rollgen_load_plans"):
-                self.rollgen_load_plans = LoadPlans(model.parameters)
+                self.rollgen_load_plans = LoadPlans(bound_parameters(model))
             way = self.rollgen_load_plans.load(named, lambda w: model.load_weights(weights=w), kept)
         torch.cuda.synchronize()  # the sender frees the bucket once this returns
         return way
