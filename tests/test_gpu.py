@@ -68,11 +68,12 @@ def test_cuda_ipc_refit_sleep_wake(hf_config: dict, batch: dict) -> None:
 
 @pytest.mark.gpu
 def test_refits_reuse_the_staging_buffers_until_released(hf_config: dict, batch: dict) -> None:
-    """Refits over CUDA IPC pack into staging buffers the engine maps once: A, B, A again serve
-    each weight's outputs (a kept mapping reads the bytes of the current refit), repeated refits
-    allocate nothing more in this process, and release_refit_buffers frees the buffers (torch
-    frees an exported buffer only once every receiver let go of it: two engines on one GPU,
-    DP=2, each got their own export); a refit after makes new ones."""
+    """Refits over CUDA IPC of tensors other than the last refit's pack into staging buffers
+    the engine maps once: A, B, A serve each weight's outputs (a kept mapping reads the bytes of
+    the current refit), more refits alternating A and B allocate nothing more in this process,
+    and release_refit_buffers frees the buffers (torch frees an exported buffer only once every
+    receiver let go of it: two engines on one GPU, DP=2, each got their own export); a refit
+    after makes new ones."""
     with rollgen.create_generation(config(hf_config, data_parallel_size=2, gpus_per_bundle=0.25)) as gen:
         a = load_reference_model(tiny_model_dir(), torch.bfloat16).cuda()
         b = load_reference_model(tiny_model_dir(trained=False), torch.bfloat16).cuda()
@@ -84,8 +85,8 @@ def test_refits_reuse_the_staging_buffers_until_released(hf_config: dict, batch:
         assert not torch.equal(outs[0]["output_ids"], outs[1]["output_ids"])
         assert agrees_with(copy.deepcopy(b), outs[1], batch)["token_mult_prob_error"] < 1.05
         held = torch.cuda.memory_allocated()
-        for _ in range(5):
-            gen.refit(b)
+        for model in (b, a, b, a, b):
+            gen.refit(model)
         assert torch.cuda.memory_allocated() == held, "refits after the first allocated more"
         staged = sum(p.numel() * p.element_size() for p in a.parameters())
         gen.release_refit_buffers()
@@ -93,6 +94,43 @@ def test_refits_reuse_the_staging_buffers_until_released(hf_config: dict, batch:
         assert freed >= staged, f"releasing the staging buffer freed {freed} bytes of {staged}"
         gen.refit(a)
         assert torch.equal(gen.generate(batch, greedy=True)["output_ids"], outs[0]["output_ids"])
+
+
+@pytest.mark.gpu
+def test_refits_of_the_same_tensors_read_them_in_place(hf_config: dict, batch: dict) -> None:
+    """A trainer's second refit of the same parameters has the engines (DP=2 on one GPU) read
+    them in place: the staging buffer goes, and training steps made in place (as an optimizer
+    makes them) reach the engines by later refits that allocate nothing. A parameter given new
+    storage sends the next refit through a staging buffer again."""
+    with rollgen.create_generation(config(hf_config, data_parallel_size=2, gpus_per_bundle=0.25)) as gen:
+        trainer = load_reference_model(tiny_model_dir(), torch.bfloat16).cuda()
+        staged = sum(p.numel() * p.element_size() for p in trainer.parameters())
+        gen.refit(trainer)
+        first = gen.generate(batch, greedy=True)
+        held = torch.cuda.memory_allocated()
+        gen.refit(trainer)  # the same tensors: in place, and the staging buffer is released
+        freed = held - torch.cuda.memory_allocated()
+        assert freed >= staged, f"going in place freed {freed} bytes of the {staged} staged"
+        assert torch.equal(gen.generate(batch, greedy=True)["output_ids"], first["output_ids"])
+        g = torch.Generator(device="cuda").manual_seed(0)
+        in_place = torch.cuda.memory_allocated()
+        for step in range(3):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(torch.randn(p.shape, generator=g, device="cuda", dtype=p.dtype), alpha=2e-2)
+            gen.refit(trainer)
+            assert torch.cuda.memory_allocated() == in_place, f"step {step}: a refit in place allocated"
+            out = gen.generate(batch, greedy=True)
+            stats = agrees_with(copy.deepcopy(trainer), out, batch)
+            assert stats["token_mult_prob_error"] < 1.05, (step, stats)
+        assert not torch.equal(out["output_ids"], first["output_ids"])
+        with torch.no_grad():
+            weight = trainer.get_input_embeddings().weight
+            weight.data = weight.data.clone()  # new storage: not the tensors read in place
+        gen.refit(trainer)
+        assert torch.cuda.memory_allocated() - in_place >= staged, "no staging buffer again"
+        again = gen.generate(batch, greedy=True)
+        assert torch.equal(again["output_ids"], out["output_ids"])
 
 
 @pytest.mark.gpu2

@@ -402,3 +402,49 @@ def test_the_packed_bytes_check_finds_what_the_per_tensor_check_finds() -> None:
     with pytest.raises(RefitError) as mixed:
         _require_finite(layout([torch.ones(2, dtype=torch.float64), torch.tensor([float("inf")])]))
     assert mixed.value.problems == ["b"]
+
+
+def test_in_place_views_rebuild_each_tensor_where_it_lies_in_its_storage() -> None:
+    """What a receiver reads in place: each tensor at its byte offset and strides in its
+    storage (slices of one flat tensor, a transposed view, a tensor of its own), sharing its
+    bytes. The receiver's mapping of each storage is stood in for by the storage itself (CUDA
+    IPC has no CPU form)."""
+    from rollgen import refit
+    from rollgen.in_place import bytes_of, storage_places
+    from rollgen.refit import InPlaceViews, IpcHandle
+
+    flat = torch.arange(24, dtype=torch.float32)
+    own = torch.randn(2, 3, dtype=torch.bfloat16)
+    named = [("a", flat[2:8].view(2, 3)), ("b", flat[10:22].view(3, 4).t()), ("c", own), ("d", flat[:2])]
+    storages, places = storage_places(named)
+    assert len(storages) == 2 and [p[0] for p in places] == [0, 0, 1, 0]
+    keys = [f"test:{i}" for i in range(len(storages))]
+    refit._staged.update({k: bytes_of(s) for k, s in zip(keys, storages)})  # the stand-in mappings
+    try:
+        handles = tuple(IpcHandle(torch.empty, (), k) for k in keys)
+        views = InPlaceViews(handles, places).views([TensorMeta.of(n, t) for n, t in named], 0)
+        for (_, t), v in zip(named, views):
+            assert torch.equal(v, t) and v.stride() == t.stride() and v.data_ptr() == t.data_ptr()
+    finally:
+        release_staged(keys)
+
+
+def test_in_place_refits_take_only_the_last_refits_very_tensors() -> None:
+    """A refit goes in place only with the tensors of the refit before it: the same storages
+    at the same places (a module's state dict anew counts: the same storages); a parameter
+    given new storage, or tensors on the CPU, do not."""
+    from rollgen.in_place import InPlaceSources, _same
+
+    model = torch.nn.Linear(3, 2)
+    sources = InPlaceSources()
+    assert not sources.applies(list(model.state_dict().items()), None, [])
+    sources.note(list(model.state_dict().items()))
+    fingerprint = sources._noted[1]
+    assert _same(fingerprint, list(model.state_dict().items()))
+    with torch.no_grad():
+        model.weight.add_(1)  # a training step in place: still the same tensors
+    assert _same(fingerprint, list(model.state_dict().items()))
+    model.weight.data = model.weight.data.clone()
+    assert not _same(fingerprint, list(model.state_dict().items()))
+    sources.note(list(model.state_dict().items()))
+    assert not sources.applies(list(model.state_dict().items()), None, ["GPU-0"])  # on the CPU

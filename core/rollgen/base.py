@@ -9,7 +9,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -38,6 +38,19 @@ logger = logging.getLogger(__name__)
 
 WAKE_TAGS = ("weights", "kv_cache")
 _Method = TypeVar("_Method", bound=Callable[..., Any])
+Named = Sequence[tuple[str, torch.Tensor]]
+
+
+class Packing(NamedTuple):
+    """How a ``refit`` packs: the buckets' groups of named tensors, and ``pack(group,
+    check_finite)`` → bucket (checking the values after any cast, with ``check_finite``);
+    ``checks``: packing checks every value before anything is sent, so ``refit`` need not read
+    the source first; ``prepare``: what comes before the first bucket (with the engines idle)."""
+
+    groups: list[list[tuple[str, torch.Tensor]]]
+    pack: Callable[[Named, bool], WeightBucket]
+    checks: bool = False
+    prepare: Callable[[], None] = lambda: None
 
 
 def serialised(method: _Method) -> _Method:
@@ -473,19 +486,27 @@ class BaseGeneration(ABC):
             self.check_weights((refit_mod.TensorMeta.of(n, t, dtype) for n, t in named), partial)
             self._checked_layout = layout
         sender = self._sender
-        groups = self._bucket_groups(named, bucket_bytes, dtype) if sender is None else []
+        packing = (
+            None
+            if sender is not None
+            else self._packing(self._bucket_groups(named, bucket_bytes, dtype), dtype)
+        )
         # where packing checks every value before anything is sent (and no sample in flight
         # would be touched first), it checks the packed bytes: one pass fewer over the source
-        packed_check = check_finite and not self._streams.in_flight and self._checks_packed(groups)
+        packed_check = check_finite and not self._streams.in_flight and packing is not None and packing.checks
         if check_finite and not packed_check:
             refit_mod.require_finite(named)
         # the source was checked; a cast to a narrower dtype may still overflow
         cast_check = packed_check or (check_finite and dtype is not None)
         with self._in_flight_update(mode):
-            if sender is None:
-                self._pack_and_apply(groups, dtype, partial, cast_check)
+            if packing is None:
+                self._broadcast(
+                    cast(WeightSender, sender), source, bucket_bytes, dtype, partial, check_finite
+                )
             else:
-                self._broadcast(sender, source, bucket_bytes, dtype, partial, check_finite)
+                packing.prepare()
+                buckets = (packing.pack(group, cast_check) for group in packing.groups)
+                self._apply(buckets, len(packing.groups), partial, "refit")
 
     def _bucket_groups(
         self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int | None, dtype: torch.dtype | None
@@ -498,23 +519,6 @@ class BaseGeneration(ABC):
         if self._refit_groups[0] != key:
             self._refit_groups = (key, list(refit_mod.grouped(named, size, dtype)))
         return [[named[i] for i in group] for group in self._refit_groups[1]]
-
-    def _checks_packed(self, groups: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> bool:
-        """Whether packing ``groups`` checks every value before anything is sent (backends with
-        staging buffers, for a refit of one bucket)."""
-        return False
-
-    def _pack_and_apply(
-        self,
-        groups: list[list[tuple[str, torch.Tensor]]],
-        dtype: torch.dtype | None,
-        partial: bool,
-        check_finite: bool,
-    ) -> None:
-        """Pack each bucket over ``local_transport`` (checking its values after the cast, with
-        ``check_finite``) and load it before the next is packed."""
-        pack = self._packer(groups, dtype)
-        self._apply((pack(group, check_finite) for group in groups), len(groups), partial, "refit")
 
     def _broadcast(
         self,
@@ -536,15 +540,16 @@ class BaseGeneration(ABC):
             )
         )
 
-    def _packer(
-        self, groups: Sequence[Sequence[tuple[str, torch.Tensor]]], dtype: torch.dtype | None
-    ) -> Callable[[Sequence[tuple[str, torch.Tensor]], bool], WeightBucket]:
-        """How ``refit`` packs each of ``groups`` (``(group, check_finite)`` → bucket): over
-        ``local_transport``, one handle for each engine GPU (a source on one GPU reaches
-        engines on others). Backends with staging buffers pack into those."""
+    def _packing(self, groups: list[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None) -> Packing:
+        """How ``refit`` packs ``groups``: over ``local_transport``, one handle for each engine
+        GPU (a source on one GPU reaches engines on others), each bucket loaded before the next
+        is packed. Backends with staging buffers pack into those."""
         devices = self.engine_devices or None
-        return lambda group, check: refit_mod.pack_bucket(
-            group, self.local_transport, dtype=dtype, check_finite=check, devices=devices
+        return Packing(
+            groups,
+            lambda group, check: refit_mod.pack_bucket(
+                group, self.local_transport, dtype=dtype, check_finite=check, devices=devices
+            ),
         )
 
     def release_refit_buffers(self) -> None:  # noqa: B027 - a no-op unless the backend keeps buffers

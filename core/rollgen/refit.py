@@ -121,6 +121,28 @@ class IpcHandle:
         return cls(rebuild, tuple(args), key)
 
 
+@dataclass(frozen=True)
+class InPlaceViews:
+    """How a receiver reads a colocated trainer's own tensors in place (``rollgen.in_place``):
+    an export of each storage they lie in (bytes, kept mapped under its key like a staging
+    buffer), and where each tensor lies in one: (storage, byte offset, strides), in the order
+    of the bucket's metas."""
+
+    storages: tuple[IpcHandle, ...]
+    places: tuple[tuple[int, int, tuple[int, ...]], ...]
+
+    def views(self, metas: Sequence[TensorMeta], index: int) -> list[torch.Tensor]:
+        """The trainer's tensors, mapped on local GPU ``index`` (no copy)."""
+        buffers = [_mapped(h, index) for h in self.storages]
+        out = []
+        for meta, (storage, offset, stride) in zip(metas, self.places, strict=True):
+            dtype = getattr(torch, meta.dtype)
+            extent = 1 + sum((n - 1) * st for n, st in zip(meta.shape, stride)) if all(meta.shape) else 0
+            flat = buffers[storage][offset : offset + extent * dtype.itemsize].view(dtype)
+            out.append(flat.as_strided(meta.shape, stride))
+        return out
+
+
 #: The staging buffers this process maps (a receiver's side of ``IpcHandle.key``).
 _staged: dict[str, torch.Tensor] = {}
 #: The named tensors of the staged buckets this process unpacked, by the pickle they came in (a
@@ -184,7 +206,7 @@ class WeightBucket:
             "staged": self.staged,
         }
 
-    def for_receiver(self, payload: dict[str, IpcHandle]) -> WeightBucket:
+    def for_receiver(self, payload: Mapping[str, IpcHandle | InPlaceViews]) -> WeightBucket:
         """This staged bucket as one receiver gets it: with its own ``payload`` of handles."""
         return WeightBucket(self.transport, self.metas, payload, self.offsets, staged=True)
 
@@ -207,7 +229,11 @@ class WeightBucket:
         elif self.transport == "shared_memory":
             tensors = unflatten(self.resolve()._keepalive[0], self.metas, self.offsets)
         elif self.transport == "cuda_ipc":
-            tensors = unflatten(_rebuild_ipc(self.payload, device), self.metas, self.offsets)
+            entry, index = _gpu_entry(self.payload, device)
+            if isinstance(entry, InPlaceViews):
+                tensors = entry.views(self.metas, index)
+            else:
+                tensors = unflatten(_mapped(entry, index), self.metas, self.offsets)
         else:
             raise RefitError(f"unknown refit transport {self.transport!r}")
         return [(m.name, t) for m, t in zip(self.metas, tensors, strict=True)]
@@ -297,7 +323,7 @@ def named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> Itera
         if tensor.numel() and key in seen:
             continue
         seen.add(key)
-        yield name, tensor.detach()
+        yield name, tensor.detach() if tensor.requires_grad else tensor
 
 
 def gpu_bucket_bytes(free_bytes: int) -> int:
@@ -380,6 +406,7 @@ def module_group(name: str) -> str:
     return parent if parent and leaf.endswith("_proj") else module
 
 
+@torch.no_grad()
 def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of the floating-point tensors that hold a NaN or an infinity: one fused 2-norm
     pass (in float32, float64 tensors in their own) and one host sync per device, with no kernel
@@ -389,11 +416,14 @@ def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     for name, tensor in named:
         if tensor.is_floating_point() and tensor.numel():
             wide = tensor.dtype == torch.float64  # _foreach_norm takes no narrowing dtype
-            groups.setdefault((tensor.device, wide), []).append((name, tensor.detach()))
+            groups.setdefault((tensor.device, wide), []).append((name, tensor))
     bad = []
     for (_, wide), group in groups.items():
-        norms = torch._foreach_norm([t for _, t in group], 2, dtype=None if wide else torch.float32)
-        suspects = (~torch.stack(norms).isfinite()).nonzero().flatten().tolist()
+        tensors = [t for _, t in group]
+        norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=None if wide else torch.float32))
+        if bool(norms.isfinite().all()):
+            continue
+        suspects = (~norms.isfinite()).nonzero().flatten().tolist()
         bad += [group[i][0] for i in suspects if not bool(torch.isfinite(group[i][1]).all())]
     return bad
 
@@ -541,7 +571,10 @@ def _ipc_handles(
     return {device_uuid(b.device): IpcHandle.export(b) for b in buffers}, buffers
 
 
-def _rebuild_ipc(payload: dict[str, IpcHandle], device: torch.device | str | None) -> torch.Tensor:
+def _gpu_entry(
+    payload: dict[str, IpcHandle | InPlaceViews], device: torch.device | str | None
+) -> tuple[IpcHandle | InPlaceViews, int]:
+    """This process's GPU's entry of a CUDA IPC payload, and that GPU's local index."""
     index = torch.device(device).index if device is not None else None
     index = torch.cuda.current_device() if index is None else index
     uuid = device_uuid(index)
@@ -550,7 +583,11 @@ def _rebuild_ipc(payload: dict[str, IpcHandle], device: torch.device | str | Non
             f"no CUDA IPC handles for this engine's GPU {uuid}; the payload has {sorted(payload)}. "
             "cuda_ipc needs trainer and engine colocated on the same GPUs"
         )
-    handle = payload[uuid]
+    return payload[uuid], index
+
+
+def _mapped(handle: IpcHandle, index: int) -> torch.Tensor:
+    """The memory ``handle`` exports, mapped on local GPU ``index`` (kept under its key)."""
     if handle.key is not None and handle.key in _staged:
         return _staged[handle.key]
     args = list(handle.args)

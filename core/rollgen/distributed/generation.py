@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import pickle
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -18,13 +18,14 @@ from typing import Any, ClassVar
 import ray
 import torch
 
-from rollgen.base import BaseGeneration, serialised
+from rollgen.base import BaseGeneration, Packing, serialised
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.dispatch import SampleDispatcher
 from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec, running
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
 from rollgen.errors import ConfigError, WorkerError
+from rollgen.in_place import InPlaceSources
 from rollgen.refit import WeightBucket, WeightSpec, dtype_name
 from rollgen.rollout import SampleRequest
 from rollgen.staging import RefitStaging, flat_sizes
@@ -137,6 +138,9 @@ class RayGeneration(BaseGeneration):
     engines_in_process: ClassVar[bool] = False
     #: The ranks each engine joins a weight-sync group with (None: one per tensor-parallel rank).
     sync_ranks_per_engine: ClassVar[int | None] = None
+    #: Whether a colocated trainer's refit of the same tensors as before may have the engines
+    #: read them in place (``rollgen.in_place``), where the staging buffers serve (GPU-tested).
+    refits_in_place: ClassVar[bool] = False
 
     def __init__(
         self, config: Mapping[str, Any], cluster: RayVirtualCluster | None = None, backend: Any = None
@@ -172,12 +176,14 @@ class RayGeneration(BaseGeneration):
                 self.group, [info["capacity"] for info in self.engine_info], self._streams.deliver
             )
             on_failure.pop_all()
-        #: Where ``refit`` packs over CUDA IPC, when every worker reports its GPUs.
+        #: Where ``refit`` packs over CUDA IPC, when every worker reports its GPUs; and its
+        #: refits in place, where the backend has them.
         self._staging = (
             RefitStaging()
             if self.local_transport == "cuda_ipc" and all(info["devices"] for info in self.engine_info)
             else None
         )
+        self._in_place = InPlaceSources() if self._staging is not None and self.refits_in_place else None
         logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, self.engine_info[0])
 
     def make_plan(self, use_gpus: bool) -> EnginePlan:
@@ -243,44 +249,65 @@ class RayGeneration(BaseGeneration):
                 ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
 
     def _pickled(self, bucket: WeightBucket, worker: int) -> bytes:
+        if bucket.staged and self._in_place is not None and self._in_place.holds(bucket):
+            return self._in_place.pickled(bucket, worker)
         if bucket.staged and self._staging is not None:
             return self._staging.pickled(bucket, self.engine_info[worker]["devices"], worker)
         return pickle.dumps(bucket)
 
     # ---- staging buffers (refit over CUDA IPC) ----------------------------------------------------
-    def _packer(
-        self, groups: Sequence[Sequence[tuple[str, torch.Tensor]]], dtype: torch.dtype | None
-    ) -> Callable[[Sequence[tuple[str, torch.Tensor]], bool], WeightBucket]:
-        """Over CUDA IPC, where every worker reports its GPUs: into the staging buffers, made
-        (or replaced by larger ones) for the largest bucket first."""
-        staging = self._staging
+    def _packing(self, groups: list[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None) -> Packing:
+        """Over CUDA IPC, where every worker reports its GPUs: in place, as one bucket, where
+        the source is the tensors of the last refit (``rollgen.in_place``); else into the
+        staging buffers, made (or replaced by larger ones) for the largest bucket first."""
+        staging, in_place = self._staging, self._in_place
         if staging is None:
-            return super()._packer(groups, dtype)
-        need = max(flat_sizes(groups, dtype), default=0)
-        devices = sorted(set(self.engine_devices))
-        if not staging.fits(devices, need):
-            self._release_staging()
-            staging.allocate(devices, need)
-        return lambda group, check: staging.pack(group, dtype, check)
+            return super()._packing(groups, dtype)
+        named = [pair for group in groups for pair in group]
+        if in_place is not None and in_place.applies(named, dtype, self.engine_devices):
+            return Packing([named], lambda group, _: in_place.pack(group), prepare=self._release_staging)
 
-    def _checks_packed(self, groups: Sequence[Sequence[tuple[str, torch.Tensor]]]) -> bool:
-        return self._staging is not None and len(groups) == 1
+        def prepare() -> None:
+            self._release_in_place()
+            need = max(flat_sizes(groups, dtype), default=0)
+            devices = sorted(set(self.engine_devices))
+            if not staging.fits(devices, need):
+                self._release_staging()
+                staging.allocate(devices, need)
+            if in_place is not None:
+                in_place.note(named)
+
+        return Packing(
+            groups, lambda group, check: staging.pack(group, dtype, check), len(groups) == 1, prepare
+        )
 
     @serialised
     def release_refit_buffers(self) -> None:
         self._check_idle("release the refit buffers")  # the engines' decoding threads own them
         self._release_staging()
+        self._release_in_place()
 
     def _release_staging(self) -> None:
-        """Have every engine let go of the staging buffers, then drop them (nothing runs on the
+        """Have every engine let go of the staging buffers, then drop them."""
+        if self._staging is not None:
+            self._release_mapped(self._staging.keys, self._staging.release)
+
+    def _release_in_place(self) -> None:
+        """Have every engine let go of the trainer's tensors it reads in place, then forget them."""
+        if self._in_place is not None and self._in_place.keys:
+            self._release_mapped(self._in_place.keys, self._in_place.release)
+            torch.cuda.ipc_collect()  # what the trainer dropped meanwhile is freed now
+
+    def _release_mapped(self, keys: list[str], release: Callable[[], None]) -> None:
+        """Have every engine unmap ``keys``, then ``release`` them here (nothing runs on the
         engines: a refit's own, or shutdown's)."""
-        if self._staging is None or not self._staging.keys:
+        if not keys:
             return
         try:
-            refs = self.group.submit(EngineWorker.release_staged, [(self._staging.keys,)] * self.dp_size)
+            refs = self.group.submit(EngineWorker.release_staged, [(keys,)] * self.dp_size)
             self.group.get(refs, timeout_s=STAGED_WAIT_S)
         finally:
-            self._staging.release()
+            release()
 
     @property
     def engine_devices(self) -> tuple[str, ...]:
@@ -328,6 +355,7 @@ class RayGeneration(BaseGeneration):
     def _shutdown(self) -> None:
         try:
             self._release_staging()
+            self._release_in_place()
         except WorkerError as exc:  # a dead or hung worker: what it mapped goes with its process
             logger.warning("%s: the engines could not release the refit buffers: %s", self.name, exc)
         finally:

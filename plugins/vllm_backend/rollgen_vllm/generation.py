@@ -42,6 +42,7 @@ class VllmGeneration(RayGeneration):
     engine_key = "vllm_cfg"
     #: vLLM refuses temperatures above 2 (``SamplingParams``, 0.32).
     sampling_limits: ClassVar[Mapping[str, tuple[float | None, float | None]]] = {"temperature": (None, 2.0)}
+    refits_in_place = True
 
     def machine_defaults(self, engine: dict[str, Any], use_gpus: bool) -> dict[str, Any]:
         return machine_defaults(engine, use_gpus)
