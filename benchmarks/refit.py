@@ -1,12 +1,13 @@
-"""Colocated refit by CUDA IPC: end-to-end time and GB/s of a full-model refit, by bucket size,
-against the physical floor (a device-to-device copy of the same bytes on the same GPU); where a
-refit's time goes (``staged``), and the path without staging buffers (``ephemeral``: fresh
-buffers, mapped by the engine each time) in the same run."""
+"""Colocated refit by CUDA IPC: end-to-end time and GB/s of a full-model refit, through the
+staging buffers by bucket size and in place, against the physical floor (a device-to-device copy
+of the same bytes on the same GPU); where a refit's time goes (``breakdown``), and the path
+without staging buffers (``ephemeral``: fresh buffers, mapped by the engine each time) in the
+same run."""
 
 from __future__ import annotations
 
 import argparse
-import pickle
+import itertools
 import statistics
 import time
 from functools import partial
@@ -20,13 +21,12 @@ from rollgen.refit import (
     bucket_groups,
     default_bucket_bytes,
     iter_buckets,
-    named_tensors,
     nonfinite,
 )
 from rollgen.staging import RefitStaging, flat_sizes
 
 #: The columns of the printed table.
-COLUMNS = ["bucket_mib", "default", "checked", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"]
+COLUMNS = ["path", "bucket_mib", "default", "checked", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"]
 
 
 def random_state(spec: WeightSpec, device: torch.device) -> dict[str, torch.Tensor]:
@@ -74,19 +74,27 @@ def bucket_fields(mib: int, state: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def measure(
-    gen: Any, state: dict[str, torch.Tensor], bucket_mib: list[int], repeats: int
+    gen: Any, states: list[dict[str, torch.Tensor]], bucket_mib: list[int], repeats: int, path: str
 ) -> list[dict[str, Any]]:
     """A row per bucket size: the median refit of ``repeats`` after two warm-ups, against the
     device-to-device copy of the same bytes; the default bucket once more without the NaN and
-    infinity check (``check_finite=False``), to state what the check costs."""
+    infinity check (``check_finite=False``), to state what the check costs. Each refit sends the
+    next of ``states`` in turn: one state, refitted again and again, goes in place over CUDA IPC
+    (``rollgen.in_place``); two alternating ones go through the staging buffers. ``path`` names
+    which in the rows."""
+    state = states[0]
     unique = {t.data_ptr(): t for t in state.values()}.values()
     nbytes = sum(t.numel() * t.element_size() for t in unique)
     floor = copy_floor(nbytes, next(iter(state.values())).device, repeats=5)
     torch.cuda.empty_cache()
     rows = []
     runs = [(mib, True) for mib in bucket_mib] + [(0, False)]
+    turns = itertools.cycle(states)
     for mib, checked in runs:
-        fn = partial(gen.refit, state, bucket_bytes=bucket_bytes(mib), check_finite=checked)
+
+        def fn(mib: int = mib, checked: bool = checked) -> None:
+            gen.refit(next(turns), bucket_bytes=bucket_bytes(mib), check_finite=checked)
+
         # the first two refits of a bucket layout are warm-ups, timed on their own: an engine that
         # replays load plans records the layout's plan in the first and verifies it in the second
         first, second = timed(fn), timed(fn)
@@ -94,6 +102,7 @@ def measure(
         med = statistics.median(times)
         rows.append(
             {
+                "path": path,
                 **bucket_fields(mib, state),
                 "checked": checked,
                 "tensors": len(unique),
@@ -165,26 +174,28 @@ def after_generate(gen: Any, state: dict[str, torch.Tensor], batch: Any, repeats
     return {**bucket_fields(0, state), "refit_after_generate_ms": statistics.median(times) * 1e3}
 
 
-def staged(gen: Any, state: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
-    """Where a refit at the default bucket goes, through rollgen's staging buffers: packing
-    (``RefitStaging.pack`` of the same buckets into buffers of its own on the engine GPUs, the
-    copies finished), the engine mapping and loading (the benchmarks' worker extension times
-    them on TP rank 0 of the first engine, last bucket), and the rest, the hop (the driver's
-    own work, the Ray call, the engine's RPC to its workers); without the NaN check
-    (``check_finite=False``), which ``finite_check`` times alone. The hop split by the wall
-    clock (the worker extension notes when the call entered and left it): from the call of
-    ``refit`` until the worker has the bucket (``to_worker_ms``: the driver's work, packing
-    included, and the way there), in the worker, and back. Beside them, the floors of the hop:
-    a bare Ray call to the engine's actor (``ray_ms``) and a call of a worker-extension method
-    through it to rank 0 (``rpc_ms``, the path a bucket takes); and the kept load plan's replay
-    alone, with how many of its copies ``torch._foreach_copy_`` cannot fuse."""
+def breakdown(gen: Any, states: list[dict[str, torch.Tensor]], repeats: int, path: str) -> dict[str, Any]:
+    """Where an unchecked refit at the default bucket goes (``check_finite=False``;
+    ``finite_check`` times the check alone), refitting ``states`` in turn as ``measure`` does
+    (one: in place; two: through the staging buffers): the engine mapping and loading (the
+    benchmarks' worker extension times them on TP rank 0 of the first engine, last bucket), and
+    by the wall clock (the worker extension notes when the call entered and left it) the time
+    from the call of ``refit`` until the worker has the bucket (``to_worker_ms``: the driver's
+    work, packing included, and the way there), in the worker, and back. Beside them: packing
+    alone (``RefitStaging.pack`` of the same buckets into buffers of its own: what the staged
+    path adds), the floors of the hop (a bare Ray call to the engine's actor, ``ray_ms``; a call
+    of a worker-extension method through it to rank 0, ``rpc_ms``, the path a bucket takes),
+    and the kept load plan's replay alone, with how many of its copies
+    ``torch._foreach_copy_`` cannot fuse."""
     import ray
 
-    gen.refit(state, check_finite=False)
+    turns = itertools.cycle(states)
+    for _ in states:
+        gen.refit(next(turns), check_finite=False)
     refits, ways, backs, workers = [], [], [], []
     for _ in range(repeats):
         start = time.time()
-        gen.refit(state, check_finite=False)
+        gen.refit(next(turns), check_finite=False)
         end = time.time()
         rank0 = gen.collective_rpc("bench_last_load")[0][0]
         refits.append(end - start)
@@ -195,61 +206,29 @@ def staged(gen: Any, state: dict[str, torch.Tensor], repeats: int) -> dict[str, 
     actor = gen.group.workers[0]
     rays = [timed(lambda: ray.get(actor.__ray_ready__.remote())) for _ in range(repeats + 1)][1:]
     rpcs = [timed(partial(gen.collective_rpc, "bench_last_load")) for _ in range(repeats)]
-    groups = list(bucket_groups(state))
+    groups = list(bucket_groups(states[0]))
     staging = RefitStaging()
     staging.allocate(sorted(set(gen.engine_devices)), max(flat_sizes(groups, None)))
     packs = [timed(lambda: [staging.pack(g, None, False) for g in groups]) for _ in range(repeats)]
     staging.release()
     torch.cuda.empty_cache()
-    refit_s, pack_s = statistics.median(refits), statistics.median(packs)
     ms = {k: statistics.median(v) * 1e3 for k, v in {"to": ways, "in": workers, "back": backs}.items()}
     return {
-        **bucket_fields(0, state),
+        "path": path,
+        **bucket_fields(0, states[0]),
         "buckets": len(groups),
-        "refit_unchecked_ms": refit_s * 1e3,
-        "pack_ms": pack_s * 1e3,
-        "hop_ms": (refit_s - pack_s - rank0["map_s"] - rank0["load_s"]) * 1e3,
+        "refit_unchecked_ms": statistics.median(refits) * 1e3,
         "map_ms": rank0["map_s"] * 1e3,
         "load_ms": rank0["load_s"] * 1e3,
         "loaded_by": rank0["way"],
         "to_worker_ms": ms["to"],
         "in_worker_ms": ms["in"],
         "back_ms": ms["back"],
+        "pack_alone_ms": statistics.median(packs) * 1e3,
         "ray_ms": statistics.median(rays) * 1e3,
         "rpc_ms": statistics.median(rpcs) * 1e3,
         "replay_ms": plan.pop("replay_s") * 1e3,
         **plan,
-    }
-
-
-def in_place(gen: Any, state: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:
-    """A refit rollgen does not make (yet): the engine maps the trainer's own tensors once,
-    keeps them, and each refit copies from them into its parameters in place (one device copy,
-    no staging buffer; the kept load plan replayed from the mapped views), through the worker
-    extension (``bench_map_in_place``, ``bench_load_in_place``) on the path a bucket takes.
-    Medians of ``repeats`` after one warm-up, without and with ``rollgen.refit.nonfinite``'s
-    check of the source before the call."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    named = list(named_tensors(state))
-    gen.collective_rpc("bench_map_in_place", pickle.dumps([(n, reduce_tensor(t)) for n, t in named]))
-    load = partial(gen.collective_rpc, "bench_load_in_place")
-    way = load()[0][0]
-
-    def checked() -> None:
-        if nonfinite(named):
-            raise ValueError("the benchmark's state holds a NaN")
-        load()
-
-    plain = [timed(load) for _ in range(repeats)]
-    checks = [timed(checked) for _ in range(repeats)]
-    gen.collective_rpc("bench_unmap_in_place")
-    torch.cuda.ipc_collect()
-    return {
-        **bucket_fields(0, state),
-        "in_place_unchecked_ms": statistics.median(plain) * 1e3,
-        "in_place_checked_ms": statistics.median(checks) * 1e3,
-        "loaded_by": way,
     }
 
 

@@ -158,7 +158,7 @@ def main() -> None:
     device = torch.device("cuda", 0)
     if "refit" in args.parts:
         state = refit.random_state(gen.weight_spec, device)
-        results["refit"] = refit.measure(gen, state, args.bucket_mib, args.repeats)
+        results["refit"] = refit.measure(gen, [state], args.bucket_mib, args.repeats, "staged")
         del state
         torch.cuda.empty_cache()
         print_table(results["refit"], refit.COLUMNS)

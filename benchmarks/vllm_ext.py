@@ -6,7 +6,6 @@ through ``vllm_kwargs["worker_extension_cls"]`` (``EXTENSION``) and are asked th
 from __future__ import annotations
 
 import cProfile
-import pickle
 import statistics
 import time
 from typing import Any
@@ -46,22 +45,8 @@ class BenchWorkerExtension(RollgenWorkerExtension):
         when (``time.time()``) the call entered and left the worker extension."""
         return dict(self.bench_load)
 
-    def bench_map_in_place(self, data: bytes) -> None:
-        """Map the trainer's own tensors (a pickled list of (name, ``reduce_tensor`` of it)) and
-        keep them: a refit that copies from them in place (``bench_load_in_place``)."""
-        self.bench_in_place = [(name, rebuild(*args)) for name, (rebuild, args) in pickle.loads(data)]
-
-    def bench_load_in_place(self) -> str:
-        """Load the kept mapped tensors (their load plan's sources kept too); how it loaded."""
-        return self.rollgen_load(self.bench_in_place, True, kept=True)
-
-    def bench_unmap_in_place(self) -> None:
-        self.rollgen_load_plans.forget_kept()
-        del self.bench_in_place
-        torch.cuda.ipc_collect()
-
     def bench_kept_plan(self, repeats: int = 5) -> dict[str, Any]:
-        """The kept load plan (the last staged refit's): its steps, its copies and how many of
+        """The kept load plan (the last staged or in-place refit's): its steps, its copies and how many of
         them ``torch._foreach_copy_``'s fused route refuses (dtypes, sizes or strides that
         differ, or a tensor that is not dense: then the whole run copies tensor by tensor), and
         the median seconds of its replay alone, synchronised."""

@@ -224,22 +224,23 @@ def single(args: argparse.Namespace, model: str) -> dict[str, list]:
 
 
 def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
-    """rollgen's engine (CUDA graphs) for the refit and sleep/wake; raw vLLM's sleep/wake beside.
-    ``--loaders`` runs vLLM's weight loaders on every refit instead of replaying load plans;
-    ``--in-process`` runs rollgen's engine core in its actor's process (and no sleep/wake: that
-    compares the default engine with raw vLLM)."""
+    """rollgen's engine (CUDA graphs; ``--eager``: eager, as refits do not use them) for the
+    refit through the staging buffers (two states in turn) and in place (one state again), and
+    sleep/wake against raw vLLM's beside it (``--no-sleep-wake``: no raw engine). ``--loaders``
+    runs vLLM's weight loaders on every refit instead of replaying load plans; ``--in-process``
+    runs rollgen's engine core in its actor's process."""
     config = rollgen_config(
         model,
-        False,
+        args.eager,
         args.util,
         gpus_per_bundle=GPU_SHARE,
         replay_refit=not args.loaders,
         in_process=args.in_process,
     )
     gen: Any = rollgen.create_generation(config)
-    llm = None if args.in_process else raw_llm(model, False, args.util)
+    llm = None if args.no_sleep_wake else raw_llm(model, False, args.util)
     device = engine_device(gen)
-    state = refit.random_state(gen.weight_spec, device)
+    states = [refit.random_state(gen.weight_spec, device) for _ in range(2)]
     results: dict[str, list] = {}
 
     def step(name: str, rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:
@@ -247,14 +248,16 @@ def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
         results[name] = rows
         save(args, results)  # after each step: a run cut off keeps what it measured
 
-    step("by_bucket", refit.measure(gen, state, args.bucket_mib, args.repeats), refit.COLUMNS)
-    step("profile", [refit.profile(gen, state, mib) for mib in args.bucket_mib])
-    step("after_generate", [refit.after_generate(gen, state, workload_batch(1), args.repeats)])
-    step("finite_check", [refit.finite_check(state, args.repeats)])
-    step("staged", [refit.staged(gen, state, args.repeats)])
-    step("ephemeral", [refit.ephemeral(gen, state, args.repeats)])
-    step("in_place", [refit.in_place(gen, state, args.repeats)])
-    del state
+    staged = refit.measure(gen, states, args.bucket_mib, args.repeats, "staged")
+    in_place = refit.measure(gen, states[:1], [0], args.repeats, "in place")
+    step("by_bucket", staged + in_place, refit.COLUMNS)
+    staged_steps = refit.breakdown(gen, states, args.repeats, "staged")
+    step("breakdown", [staged_steps, refit.breakdown(gen, states[:1], args.repeats, "in place")])
+    step("finite_check", [refit.finite_check(states[0], args.repeats)])
+    step("after_generate", [refit.after_generate(gen, states[0], workload_batch(1), args.repeats)])
+    step("profile", [refit.profile(gen, states[0], mib) for mib in args.bucket_mib])
+    step("ephemeral", [refit.ephemeral(gen, states[0], args.repeats)])
+    del states
     gen.release_refit_buffers()
     torch.cuda.empty_cache()
     if llm is not None:
@@ -278,7 +281,7 @@ def collective_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     torch.cuda.set_device(mine)
     gen.init_weight_sync(gen.weight_sync_spec("127.0.0.1"), local_sender=True)
     state = refit.random_state(gen.weight_spec, torch.device("cuda", mine))
-    refits = refit.measure(gen, state, args.bucket_mib, args.repeats)
+    refits = refit.measure(gen, [state], args.bucket_mib, args.repeats, "collective")
     nbytes = int(refits[0]["gb"] * 1e9)
     del state
     torch.cuda.empty_cache()
@@ -508,6 +511,10 @@ def main() -> None:
     parser.add_argument("--loaders", action="store_true", help="refit part: no load-plan replay")
     parser.add_argument(
         "--in-process", action="store_true", help="refit part: rollgen's engine core in its actor's process"
+    )
+    parser.add_argument("--eager", action="store_true", help="refit part: an eager engine")
+    parser.add_argument(
+        "--no-sleep-wake", action="store_true", help="refit part: no raw engine, no sleep/wake"
     )
     parser.add_argument(
         "--each-arg", action="store_true", help="ablation part: one engine argument at a time"

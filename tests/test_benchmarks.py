@@ -159,19 +159,20 @@ def test_ablation_variants_isolate_the_engine_arguments_rollgen_changes() -> Non
 
 def test_refit_measure_times_given_and_default_buckets(hf_config: dict) -> None:
     """The refit benchmark on the in-process HF engine: a bucket of 1 MiB and rollgen's default
-    (``--bucket-mib 0``, a host source: 1 GiB), each a row."""
+    (``--bucket-mib 0``, a host source: 1 GiB), each a row, two states in turn."""
     import rollgen
     from rollgen.refit import DEFAULT_BUCKET_BYTES
 
     with rollgen.create_generation(hf_config) as gen:
         state = refit.random_state(gen.weight_spec, torch.device("cpu"))
-        rows = refit.measure(gen, state, [1, 0], repeats=1)
+        other = refit.random_state(gen.weight_spec, torch.device("cpu"))
+        rows = refit.measure(gen, [state, other], [1, 0], repeats=1, path="host")
         finite = refit.finite_check(state, repeats=2)
     default = DEFAULT_BUCKET_BYTES >> 20
     layout = [(r["bucket_mib"], r["default"], r["checked"]) for r in rows]
     assert layout == [(1, False, True), (default, True, True), (default, True, False)]
     assert finite["check_ms"] > 0 and finite["gb"] > 0
-    assert all(r["refit_ms"] > 0 and r["gb"] > 0 for r in rows)
+    assert all(r["refit_ms"] > 0 and r["gb"] > 0 and r["path"] == "host" for r in rows)
 
 
 def test_cpu_profiles_summarize_by_median_and_rank_differences() -> None:
