@@ -79,6 +79,42 @@ def probes():
     ray.shutdown()
 
 
+def test_workers_that_may_share_a_gpu_start_one_at_a_time() -> None:
+    """Engines sharing a GPU start one after another (``one_at_a_time``: each sizes its memory
+    from the device's free memory); a start that fails ends the workers started before it."""
+    from rollgen.testing.probe import StartCounter
+
+    if ray.is_initialized():
+        ray.shutdown()
+    vc = RayVirtualCluster([3], use_gpus=False, cpus_per_bundle=0.5)
+    try:
+        counter = ray.remote(StartCounter).options(name="starts", num_cpus=0).remote()
+        group = RayWorkerGroup(
+            vc,
+            RayWorkerBuilder(PROBE, lambda group, i: ("starts:starts", group, i)),
+            tp_size=1,
+            leader_resources={"num_cpus": 0.25},
+            one_at_a_time=True,
+        )
+        assert [w["index"] for w in group.call_all(ProbeWorker.where)] == [0, 1, 2]
+        assert ray.get(counter.most_at_once.remote()) == 1
+        group.shutdown()
+        with pytest.raises(WorkerError, match="dp1: failed to start"):
+            RayWorkerGroup(
+                vc,
+                RayWorkerBuilder(PROBE, lambda group, i: ("fail-start:starts", group, i)),
+                tp_size=1,
+                leader_resources={"num_cpus": 0.25},
+                one_at_a_time=True,
+            )
+        (first,) = ray.get(counter.handles.remote())  # the probe that started before the failure
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(first.where.remote())
+    finally:
+        vc.shutdown()
+        ray.shutdown()
+
+
 def test_uneven_shards_merge_in_order(probes) -> None:
     data = BatchedDataDict({"x": torch.arange(5).unsqueeze(1), "tag": list("abcde")})
     out = BatchedDataDict.from_batches(

@@ -170,6 +170,7 @@ class RayGeneration(BaseGeneration):
                 tp,
                 name_prefix=f"rollgen-{self.name}",
                 leader_resources=leader_resources(cluster, tp, self.use_gpus),
+                one_at_a_time=0 < cluster.gpus_per_bundle < 1,  # engines that may share a GPU
             )
             self.engine_info = self.group.call_all(EngineWorker.ready)
             self._dispatcher = SampleDispatcher(

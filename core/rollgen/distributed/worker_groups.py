@@ -61,7 +61,12 @@ class RayWorkerBuilder:
 class RayWorkerGroup:
     """One leader actor per tied group, placed on the group's first bundle. Worker methods are
     named by reference (``group.call_all(EngineWorker.wake, tags)``), so a renamed method is a
-    type error, not a string that no longer matches."""
+    type error, not a string that no longer matches.
+
+    ``one_at_a_time``: each actor is started only once the one before it is up. Engines that
+    share a GPU need it: an engine sizes its KV cache from the whole device's free memory, so
+    what another engine takes while it measures is counted as its own (vLLM then sizes its
+    cache too small, or finds no memory for it: vllm-project/vllm#55827)."""
 
     def __init__(
         self,
@@ -70,6 +75,7 @@ class RayWorkerGroup:
         tp_size: int,
         name_prefix: str = "rollgen",
         leader_resources: dict[str, float] | None = None,
+        one_at_a_time: bool = False,
     ) -> None:
         self.cluster = cluster
         self.groups = tied_groups(cluster.bundles_per_node, tp_size)
@@ -77,17 +83,25 @@ class RayWorkerGroup:
         self.workers: list[Any] = []
         pgs = cluster.get_placement_groups()
         resources = leader_resources or {"num_cpus": cluster.cpus_per_bundle / 2}
-        for i, group in enumerate(self.groups):
-            options = {
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=pgs[group.node],
-                    placement_group_bundle_index=group.bundle_indices[0],
-                    placement_group_capture_child_tasks=True,
-                ),
-                "max_concurrency": 1,
-                **resources,
-            }
-            self.workers.append(builder.build(options, group, i))
+        started = False
+        try:
+            for i, group in enumerate(self.groups):
+                options = {
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group=pgs[group.node],
+                        placement_group_bundle_index=group.bundle_indices[0],
+                        placement_group_capture_child_tasks=True,
+                    ),
+                    "max_concurrency": 1,
+                    **resources,
+                }
+                self.workers.append(builder.build(options, group, i))
+                if one_at_a_time:
+                    self.get([self.workers[-1].__ray_ready__.remote()], names=[self.names[i]])
+            started = True
+        finally:
+            if not started:  # the actors started so far go too
+                self.shutdown()
 
     @property
     def dp_size(self) -> int:

@@ -14,9 +14,53 @@ from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.errors import InputError
 
 
+class StartCounter:
+    """A named actor the probes of one test report their starts to: how many were starting at
+    once, at most."""
+
+    def __init__(self) -> None:
+        self.starting = self.most = 0
+        self.started: list[Any] = []
+
+    def enter(self) -> None:
+        self.starting += 1
+        self.most = max(self.most, self.starting)
+
+    def leave(self) -> None:
+        self.starting -= 1
+
+    def most_at_once(self) -> int:
+        return self.most
+
+    def note(self, handle: Any) -> None:
+        """Keep the handle of a probe that started."""
+        self.started.append(handle)
+
+    def handles(self) -> list[Any]:
+        return self.started
+
+
 class ProbeWorker:
+    """``tag`` "starts:NAME": the start reports to the ``StartCounter`` actor NAME and takes a
+    while (as an engine's does); "fail-start:NAME": index 0 leaves its handle with that actor,
+    and the start of index 1 raises."""
+
     def __init__(self, tag: str, group: TiedGroup, index: int) -> None:
         self.tag, self.group, self.index = tag, group, index
+        if tag.startswith("starts:"):
+            import ray
+
+            counter = ray.get_actor(tag.removeprefix("starts:"))
+            ray.get(counter.enter.remote())
+            threading.Event().wait(0.5)
+            ray.get(counter.leave.remote())
+        if tag.startswith("fail-start:"):
+            import ray
+
+            if index == 1:
+                raise RuntimeError("probe asked to fail its start")
+            counter = ray.get_actor(tag.removeprefix("fail-start:"))
+            ray.get(counter.note.remote(ray.get_runtime_context().current_actor))
 
     def where(self) -> dict[str, Any]:
         import ray
