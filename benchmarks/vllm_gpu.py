@@ -236,6 +236,7 @@ def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
         gpus_per_bundle=GPU_SHARE,
         replay_refit=not args.loaders,
         in_process=args.in_process,
+        refit_in_place=True,
     )
     gen: Any = rollgen.create_generation(config)
     llm = None if args.no_sleep_wake else raw_llm(model, False, args.util)

@@ -102,7 +102,8 @@ def test_refits_of_the_same_tensors_read_them_in_place(hf_config: dict, batch: d
     them in place: the staging buffer goes, and training steps made in place (as an optimizer
     makes them) reach the engines by later refits that allocate nothing. A parameter given new
     storage sends the next refit through a staging buffer again."""
-    with rollgen.create_generation(config(hf_config, data_parallel_size=2, gpus_per_bundle=0.25)) as gen:
+    cfg = config(hf_config, data_parallel_size=2, gpus_per_bundle=0.25, refit_in_place=True)
+    with rollgen.create_generation(cfg) as gen:
         trainer = load_reference_model(tiny_model_dir(), torch.bfloat16).cuda()
         staged = sum(p.numel() * p.element_size() for p in trainer.parameters())
         gen.refit(trainer)

@@ -138,9 +138,6 @@ class RayGeneration(BaseGeneration):
     engines_in_process: ClassVar[bool] = False
     #: The ranks each engine joins a weight-sync group with (None: one per tensor-parallel rank).
     sync_ranks_per_engine: ClassVar[int | None] = None
-    #: Whether a colocated trainer's refit of the same tensors as before may have the engines
-    #: read them in place (``rollgen.in_place``), where the staging buffers serve (GPU-tested).
-    refits_in_place: ClassVar[bool] = False
 
     def __init__(
         self, config: Mapping[str, Any], cluster: RayVirtualCluster | None = None, backend: Any = None
@@ -211,6 +208,12 @@ class RayGeneration(BaseGeneration):
     def worker_specs(self) -> list[WorkerSpec]:
         """The spec each engine worker was started with, in data-parallel order."""
         return [self.plan.worker_spec(g, i) for i, g in enumerate(self.group.groups)]
+
+    @property
+    def refits_in_place(self) -> bool:
+        """Whether a colocated trainer's refit of the tensors it refitted last has the engines
+        read them in place (``rollgen.in_place``), where the staging buffers serve."""
+        return False
 
     @property
     def dp_size(self) -> int:

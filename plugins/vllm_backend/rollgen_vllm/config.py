@@ -22,6 +22,10 @@ class VllmCfg(RayEngineCfg):
     #: On GPU, load a refit of a layout seen before by replaying the copies vLLM's weight loaders
     #: made the first time, once verified (``rollgen_vllm.load_plan``); false: the loaders every time.
     replay_refit: NotRequired[Annotated[bool, Field(default=True)]]
+    #: On GPU, a colocated trainer's refit of the very tensors it refitted last has the engines
+    #: read them in place (``rollgen.in_place``: no staging buffer, one copy) instead of through
+    #: the staging buffers. Off by default until its GPU test has run (docs/vllm.md).
+    refit_in_place: NotRequired[Annotated[bool, Field(default=False)]]
 
 
 class VllmConfig(GenerationConfig):

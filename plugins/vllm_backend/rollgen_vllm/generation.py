@@ -42,10 +42,13 @@ class VllmGeneration(RayGeneration):
     engine_key = "vllm_cfg"
     #: vLLM refuses temperatures above 2 (``SamplingParams``, 0.32).
     sampling_limits: ClassVar[Mapping[str, tuple[float | None, float | None]]] = {"temperature": (None, 2.0)}
-    refits_in_place = True
 
     def machine_defaults(self, engine: dict[str, Any], use_gpus: bool) -> dict[str, Any]:
         return machine_defaults(engine, use_gpus)
+
+    @property
+    def refits_in_place(self) -> bool:
+        return bool(self.cfg[self.engine_key]["refit_in_place"])
 
     def make_plan(self, use_gpus: bool) -> EnginePlan:
         plan = super().make_plan(use_gpus)
