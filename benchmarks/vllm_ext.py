@@ -50,7 +50,10 @@ class BenchWorkerExtension(RollgenWorkerExtension):
         them ``torch._foreach_copy_``'s fused route refuses (dtypes, sizes or strides that
         differ, or a tensor that is not dense: then the whole run copies tensor by tensor), and
         the median seconds of its replay alone, synchronised."""
-        _, _, plan, sources = self.rollgen_load_plans._kept
+        kept = getattr(getattr(self, "rollgen_load_plans", None), "_kept", None)
+        if kept is None:  # no plan kept (``--loaders``, or no staged refit yet)
+            return {"replay_s": float("nan")}
+        _, _, plan, sources = kept
         runs = [(step, srcs) for step, srcs in zip(plan.steps, sources) if srcs is not None]
         pairs = [(d, s) for step, srcs in runs for d, s in zip(step.dsts, srcs)]
         unfused = sum(not _fusable(d, s) for d, s in pairs)

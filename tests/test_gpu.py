@@ -119,8 +119,12 @@ def test_refits_of_the_same_tensors_read_them_in_place(hf_config: dict, batch: d
             with torch.no_grad():
                 for p in trainer.parameters():
                     p.add_(torch.randn(p.shape, generator=g, device="cuda", dtype=p.dtype), alpha=2e-2)
+            before = [p.detach().clone() for p in trainer.parameters()]
+            held = torch.cuda.memory_allocated()
             gen.refit(trainer)
-            assert torch.cuda.memory_allocated() == in_place, f"step {step}: a refit in place allocated"
+            assert torch.cuda.memory_allocated() == held, f"step {step}: a refit in place allocated"
+            assert all(torch.equal(p, b) for p, b in zip(trainer.parameters(), before)), "the engine wrote"
+            del before
             out = gen.generate(batch, greedy=True)
             stats = agrees_with(copy.deepcopy(trainer), out, batch)
             assert stats["token_mult_prob_error"] < 1.05, (step, stats)

@@ -429,22 +429,40 @@ def test_in_place_views_rebuild_each_tensor_where_it_lies_in_its_storage() -> No
         release_staged(keys)
 
 
-def test_in_place_refits_take_only_the_last_refits_very_tensors() -> None:
-    """A refit goes in place only with the tensors of the refit before it: the same storages
-    at the same places (a module's state dict anew counts: the same storages); a parameter
-    given new storage, or tensors on the CPU, do not."""
-    from rollgen.in_place import InPlaceSources, _same
+def test_in_place_refits_take_only_the_last_refits_very_tensors(monkeypatch) -> None:
+    """A refit goes in place only with the tensors of the refit before it (or those read in
+    place already): the same names, storages, places, shapes and strides (a module's state dict
+    anew counts: the same storages), contiguous, uncast. A training step in place keeps them;
+    a parameter given new storage, a renamed entry, a view, or a cast do not. The GPU check is
+    stood in for (these tensors are on the CPU), and so is the export (CUDA IPC has no CPU
+    form): one that fails is a RefitError, and the generation's later refits are staged."""
+    from rollgen import in_place
+    from rollgen.in_place import InPlaceSources
 
     model = torch.nn.Linear(3, 2)
+    named = lambda: list(model.state_dict().items())  # noqa: E731 - read anew, as refit does
     sources = InPlaceSources()
-    assert not sources.applies(list(model.state_dict().items()), None, [])
-    sources.note(list(model.state_dict().items()))
-    fingerprint = sources._noted[1]
-    assert _same(fingerprint, list(model.state_dict().items()))
+    assert not sources.applies(named(), None, ("GPU-0",))  # nothing noted yet
+    sources.note(named())
+    assert not sources.applies(named(), None, ("GPU-0",))  # on the CPU: not on the engines' GPU
+    monkeypatch.setattr(in_place, "on_engine_gpu", lambda tensors, devices: True)
+    assert sources.applies(named(), None, ("GPU-0",))
     with torch.no_grad():
         model.weight.add_(1)  # a training step in place: still the same tensors
-    assert _same(fingerprint, list(model.state_dict().items()))
+    assert sources.applies(named(), None, ("GPU-0",))
+    assert not sources.applies(named(), torch.float16, ("GPU-0",))  # a cast
+    renamed = [(f"x.{n}", t) for n, t in named()]
+    assert not sources.applies(renamed, None, ("GPU-0",))
+    viewed = [(n, t[:1]) for n, t in named()]
+    assert not sources.applies(viewed, None, ("GPU-0",))
     model.weight.data = model.weight.data.clone()
-    assert not _same(fingerprint, list(model.state_dict().items()))
-    sources.note(list(model.state_dict().items()))
-    assert not sources.applies(list(model.state_dict().items()), None, ["GPU-0"])  # on the CPU
+    assert not sources.applies(named(), None, ("GPU-0",))
+
+    def no_export(*args: object) -> None:
+        raise RuntimeError("this memory cannot be shared")
+
+    sources.note(named())
+    monkeypatch.setattr(in_place.InPlaceSources, "_export", no_export)
+    with pytest.raises(RefitError, match="cannot share the trainer's tensors"):
+        sources.pack(named(), 1)
+    assert not sources.applies(named(), None, ("GPU-0",)) and not sources.keys

@@ -28,7 +28,7 @@ from rollgen.errors import (
 )
 from rollgen.model_info import ModelInfo
 from rollgen.output import empty_output, finish_output, stop_reason
-from rollgen.refit import WeightBucket, WeightSpec
+from rollgen.refit import Named, WeightBucket, WeightSpec
 from rollgen.rollout import Rollout, SampleRequest, Streams, UpdateMode
 from rollgen.sampling import SampleParams, resolve_sampling, truncate_at_stop
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 WAKE_TAGS = ("weights", "kv_cache")
 _Method = TypeVar("_Method", bound=Callable[..., Any])
-Named = Sequence[tuple[str, torch.Tensor]]
 
 
 class Packing(NamedTuple):

@@ -40,6 +40,10 @@ GPU_BUCKET_BYTES = (64 << 20, 4 << 30)
 FLAT_ALIGN = 256
 
 
+#: Named tensors, as a refit takes them.
+Named = Sequence[tuple[str, torch.Tensor]]
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     name: str

@@ -168,6 +168,7 @@ class RayGeneration(BaseGeneration):
                 name_prefix=f"rollgen-{self.name}",
                 leader_resources=leader_resources(cluster, tp, self.use_gpus),
                 one_at_a_time=0 < cluster.gpus_per_bundle < 1,  # engines that may share a GPU
+                cleanup=EngineWorker.shutdown,
             )
             self.engine_info = self.group.call_all(EngineWorker.ready)
             self._dispatcher = SampleDispatcher(
@@ -254,7 +255,7 @@ class RayGeneration(BaseGeneration):
 
     def _pickled(self, bucket: WeightBucket, worker: int) -> bytes:
         if bucket.staged and self._in_place is not None and self._in_place.holds(bucket):
-            return self._in_place.pickled(bucket, worker)
+            return self._in_place.pickled(worker)
         if bucket.staged and self._staging is not None:
             return self._staging.pickled(bucket, self.engine_info[worker]["devices"], worker)
         return pickle.dumps(bucket)
@@ -269,7 +270,8 @@ class RayGeneration(BaseGeneration):
             return super()._packing(groups, dtype)
         named = [pair for group in groups for pair in group]
         if in_place is not None and in_place.applies(named, dtype, self.engine_devices):
-            return Packing([named], lambda group, _: in_place.pack(group), prepare=self._release_staging)
+            pack = in_place.pack
+            return Packing([named], lambda group, _: pack(group, self.dp_size), prepare=self._release_staging)
 
         def prepare() -> None:
             self._release_in_place()
@@ -288,8 +290,14 @@ class RayGeneration(BaseGeneration):
     @serialised
     def release_refit_buffers(self) -> None:
         self._check_idle("release the refit buffers")  # the engines' decoding threads own them
-        self._release_staging()
-        self._release_in_place()
+        self._release_refit_buffers()
+
+    def _release_refit_buffers(self) -> None:
+        """Have the engines let go of the staging buffers and of the tensors read in place."""
+        try:
+            self._release_staging()
+        finally:
+            self._release_in_place()
 
     def _release_staging(self) -> None:
         """Have every engine let go of the staging buffers, then drop them."""
@@ -299,8 +307,10 @@ class RayGeneration(BaseGeneration):
     def _release_in_place(self) -> None:
         """Have every engine let go of the trainer's tensors it reads in place, then forget them."""
         if self._in_place is not None and self._in_place.keys:
-            self._release_mapped(self._in_place.keys, self._in_place.release)
-            torch.cuda.ipc_collect()  # what the trainer dropped meanwhile is freed now
+            try:
+                self._release_mapped(self._in_place.keys, self._in_place.release)
+            finally:
+                torch.cuda.ipc_collect()  # what the trainer dropped meanwhile is freed now
 
     def _release_mapped(self, keys: list[str], release: Callable[[], None]) -> None:
         """Have every engine unmap ``keys``, then ``release`` them here (nothing runs on the
@@ -358,8 +368,7 @@ class RayGeneration(BaseGeneration):
 
     def _shutdown(self) -> None:
         try:
-            self._release_staging()
-            self._release_in_place()
+            self._release_refit_buffers()
         except WorkerError as exc:  # a dead or hung worker: what it mapped goes with its process
             logger.warning("%s: the engines could not release the refit buffers: %s", self.name, exc)
         finally:

@@ -66,7 +66,8 @@ class RayWorkerGroup:
     ``one_at_a_time``: each actor is started only once the one before it is up. Engines that
     share a GPU need it: an engine sizes its KV cache from the whole device's free memory, so
     what another engine takes while it measures is counted as its own (vLLM then sizes its
-    cache too small, or finds no memory for it: vllm-project/vllm#55827)."""
+    cache too small, or finds no memory for it: vllm-project/vllm#55827). A start that fails
+    ends the actors started before it (``cleanup`` first, as ``shutdown`` takes it)."""
 
     def __init__(
         self,
@@ -76,6 +77,7 @@ class RayWorkerGroup:
         name_prefix: str = "rollgen",
         leader_resources: dict[str, float] | None = None,
         one_at_a_time: bool = False,
+        cleanup: Callable[..., Any] | None = None,
     ) -> None:
         self.cluster = cluster
         self.groups = tied_groups(cluster.bundles_per_node, tp_size)
@@ -100,8 +102,11 @@ class RayWorkerGroup:
                     self.get([self.workers[-1].__ray_ready__.remote()], names=[self.names[i]])
             started = True
         finally:
-            if not started:  # the actors started so far go too
-                self.shutdown()
+            if not started:  # the actors started so far go too, without hiding why the start failed
+                try:
+                    self.shutdown(cleanup)
+                except (ray.exceptions.RayError, WorkerError) as exc:
+                    logger.warning("after a failed start, ending the workers started failed: %s", exc)
 
     @property
     def dp_size(self) -> int:
