@@ -22,6 +22,7 @@ import pickle
 import uuid
 import weakref
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -104,9 +105,7 @@ class InPlaceSources:
 
     def pickled(self, receiver: int) -> bytes:
         """Receiver ``receiver``'s pickle of the bucket ``pack`` returned (``holds``)."""
-        if self._sources is None:
-            raise RefitError("no tensors are read in place")
-        return self._sources.pickles[receiver]
+        return cast(_Sources, self._sources).pickles[receiver]
 
     def release(self) -> None:
         """Forget the tensors read in place (every receiver must have let go of them first:

@@ -137,13 +137,12 @@ class InPlaceViews:
 
     def views(self, metas: Sequence[TensorMeta], index: int) -> list[torch.Tensor]:
         """The trainer's tensors, mapped on local GPU ``index`` (no copy)."""
-        buffers = [_mapped(h, index) for h in self.storages]
+        storages = [_mapped(h, index).untyped_storage() for h in self.storages]
         out = []
         for meta, (storage, offset, stride) in zip(metas, self.places, strict=True):
             dtype = getattr(torch, meta.dtype)
-            extent = 1 + sum((n - 1) * st for n, st in zip(meta.shape, stride)) if all(meta.shape) else 0
-            flat = buffers[storage][offset : offset + extent * dtype.itemsize].view(dtype)
-            out.append(flat.as_strided(meta.shape, stride))
+            view = torch.empty(0, dtype=dtype, device=storages[storage].device)
+            out.append(view.set_(storages[storage], offset // dtype.itemsize, meta.shape, stride))
         return out
 
 

@@ -19,6 +19,7 @@ import torch
 from rollgen.errors import RefitError
 from rollgen.refit import (
     IpcHandle,
+    Named,
     TensorMeta,
     WeightBucket,
     copy_into,
@@ -85,9 +86,7 @@ class RefitStaging:
             ) from None
 
     @torch.no_grad()
-    def pack(
-        self, named: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None, check_finite: bool
-    ) -> WeightBucket:
+    def pack(self, named: Named, dtype: torch.dtype | None, check_finite: bool) -> WeightBucket:
         """One bucket packed into the buffers (cast to ``dtype`` as it is copied; with
         ``check_finite``, RefitError before it is sent if the cast made a NaN or an infinity),
         finished on every GPU before it returns. Its payload names the GPUs; ``pickled`` gives
@@ -103,9 +102,7 @@ class RefitStaging:
             torch.cuda.synchronize(buf.device)
         return layout.bucket
 
-    def _layout(
-        self, key: tuple[object, ...], named: Sequence[tuple[str, torch.Tensor]], dtype: torch.dtype | None
-    ) -> _Layout:
+    def _layout(self, key: tuple[object, ...], named: Named, dtype: torch.dtype | None) -> _Layout:
         metas = tuple(TensorMeta.of(n, t, dtype) for n, t in named)
         offsets = flat_offsets(m.nbytes for m in metas)
         targets = ipc_targets([t for _, t in named], list(self._buffers)) if named else []
@@ -160,6 +157,6 @@ def _require_finite(layout: _Layout) -> None:
     require_finite(zip((m.name for m in metas), layout.views))
 
 
-def flat_sizes(groups: Sequence[Sequence[tuple[str, torch.Tensor]]], dtype: torch.dtype | None) -> list[int]:
+def flat_sizes(groups: Sequence[Named], dtype: torch.dtype | None) -> list[int]:
     """The flat size of each bucket of ``groups`` (after the cast to ``dtype``)."""
     return [flat_offsets(t.numel() * (dtype or t.dtype).itemsize for _, t in g)[-1] for g in groups]

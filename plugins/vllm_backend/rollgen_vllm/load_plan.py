@@ -31,10 +31,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from rollgen.refit import Named
+
 logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
-Named = Sequence[tuple[str, torch.Tensor]]
 #: How a load went: replayed from a plan, loaded while recording one, loaded while verifying one
 #: (replay, then the loaders), or loaded without a plan.
 LoadWay = Literal["replayed", "recorded", "verified", "loaded"]
