@@ -184,7 +184,8 @@ def breakdown(gen: Any, states: list[dict[str, torch.Tensor]], repeats: int, pat
     work, packing included, and the way there), in the worker, and back. Beside them: packing
     alone (``RefitStaging.pack`` of the same buckets into buffers of its own: what the staged
     path adds), the floors of the hop (a bare Ray call to the engine's actor, ``ray_ms``; a call
-    of a worker-extension method through it to rank 0, ``rpc_ms``, the path a bucket takes),
+    of a worker-extension method through it to rank 0, ``rpc_ms``; a round trip over the ranks'
+    refit channels, ``channel_ms``, the path a bucket takes where they are open),
     and the kept load plan's replay alone, with how many of its copies
     ``torch._foreach_copy_`` cannot fuse."""
     import ray
@@ -206,6 +207,8 @@ def breakdown(gen: Any, states: list[dict[str, torch.Tensor]], repeats: int, pat
     actor = gen.group.workers[0]
     rays = [timed(lambda: ray.get(actor.__ray_ready__.remote())) for _ in range(repeats + 1)][1:]
     rpcs = [timed(partial(gen.collective_rpc, "bench_last_load")) for _ in range(repeats)]
+    channels = gen._refit_channels()
+    round_trips = [timed(partial(channel_round_trip, channels)) for _ in range(repeats)] if channels else []
     groups = list(bucket_groups(states[0]))
     staging = RefitStaging()
     staging.allocate(sorted(set(gen.engine_devices)), max(flat_sizes(groups, None)))
@@ -227,9 +230,20 @@ def breakdown(gen: Any, states: list[dict[str, torch.Tensor]], repeats: int, pat
         "pack_alone_ms": statistics.median(packs) * 1e3,
         "ray_ms": statistics.median(rays) * 1e3,
         "rpc_ms": statistics.median(rpcs) * 1e3,
+        "channel_ms": statistics.median(round_trips) * 1e3 if round_trips else float("nan"),
         "replay_ms": plan.pop("replay_s") * 1e3,
         **plan,
     }
+
+
+def channel_round_trip(channels: list[list[Any]]) -> None:
+    """One request over every engine rank's refit channel that loads nothing (a layout no rank
+    holds, sent by name alone), answered."""
+    ranks = [rank for engine in channels for rank in engine]
+    for rank in ranks:
+        rank.send(("", None))
+    for rank in ranks:
+        rank.result()
 
 
 def ephemeral(gen: Any, state: dict[str, torch.Tensor], repeats: int) -> dict[str, Any]:

@@ -3,7 +3,8 @@ Qwen2.5-1.5B-shape state dict (3.09 GB bf16, 338 tensors) on one GPU, each again
 of one device-to-device copy of the same bytes. Rows: packing into one flat buffer and loading
 from it into separate tensors, fused (``torch._foreach_copy_``) or tensor by tensor; copying
 tensor to tensor (what an engine reading the trainer's tensors in place makes); the checks
-(``rollgen.refit.nonfinite``'s fused 2-norm, one sum over the packed bytes).
+(``rollgen.refit.nonfinite``'s fused 2-norm, sums per tensor, either replayed as one CUDA graph,
+one sum over the packed bytes).
 
     python -m benchmarks.refit_kernels --out out/benchmarks
 """
@@ -30,7 +31,7 @@ def per_tensor(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
 
 
 def sums_finite(tensors: list[torch.Tensor]) -> bool:
-    return bool(torch.stack([t.sum(dtype=torch.float32) for t in tensors]).isfinite().all())
+    return bool(all_finite_sums(tensors))
 
 
 def split_finite(tensors: list[torch.Tensor]) -> bool:
@@ -39,6 +40,35 @@ def split_finite(tensors: list[torch.Tensor]) -> bool:
     parts = [t.sum(dtype=torch.float32).reshape(1) for t in big]
     parts += [torch.stack(torch._foreach_norm(small, 2, dtype=torch.float32))]
     return bool(torch.cat(parts).isfinite().all())
+
+
+def all_finite_sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every tensor's float32 sum is finite, on the device (no sync)."""
+    return torch.stack([t.sum(dtype=torch.float32) for t in tensors]).isfinite().all()
+
+
+def all_finite_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every tensor's fused float32 2-norm is finite, on the device (no sync)."""
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).isfinite().all()
+
+
+def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` (device work) captured once in a CUDA graph: each call replays it and returns
+    what it returned then (a bool tensor is read, which waits for it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up, off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay() -> Any:
+        graph.replay()
+        return bool(out) if isinstance(out, torch.Tensor) else out
+
+    return replay
 
 
 def median_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -71,12 +101,21 @@ def main() -> None:
         "load from flat, per tensor": median_ms(partial(per_tensor, params, views), r),
         "tensor to tensor, fused": median_ms(partial(torch._foreach_copy_, params, tensors), r),
         "tensor to tensor, per tensor": median_ms(partial(per_tensor, params, tensors), r),
+        "tensor to tensor, per tensor, replayed as one CUDA graph": median_ms(
+            graphed(partial(per_tensor, params, tensors)), r
+        ),
         "check: fused 2-norm (nonfinite)": median_ms(partial(nonfinite, named), r),
         "check: fused 2-norms alone": median_ms(
             partial(torch._foreach_norm, tensors, 2, dtype=torch.float32), r
         ),
         "check: a sum per tensor": median_ms(partial(sums_finite, tensors), r),
         "check: a sum per tensor over 1 MiB, fused norms below": median_ms(partial(split_finite, tensors), r),
+        "check: a sum per tensor, replayed as one CUDA graph": median_ms(
+            graphed(partial(all_finite_sums, tensors)), r
+        ),
+        "check: fused 2-norms, replayed as one CUDA graph": median_ms(
+            graphed(partial(all_finite_norms, tensors)), r
+        ),
         "check: one sum of the packed bytes": median_ms(
             lambda: bool(torch.isfinite(flat.view(torch.bfloat16).sum(dtype=torch.float32))), r
         ),

@@ -21,15 +21,20 @@ EXTENSION = f"{__name__}.BenchWorkerExtension"
 class BenchWorkerExtension(RollgenWorkerExtension):
     """Methods reached through ``collective_rpc``; ``self`` is a vLLM worker."""
 
-    def rollgen_load_bucket(self, per_rank: list[bytes], replay: bool) -> None:
+    def rollgen_load_request(self, layout: str, data: bytes | None, replay: bool) -> bool:
         entered = time.time()  # wall clock: the driver compares it with its own
-        super().rollgen_load_bucket(per_rank, replay)
-        self.bench_load.update(entered=entered, left=time.time())
+        loaded = super().rollgen_load_request(layout, data, replay)
+        if loaded:  # a request that loads nothing leaves the last load's record
+            self.bench_load.update(entered=entered, left=time.time())
+        return loaded
 
-    def rollgen_unpack(self, per_rank: list[bytes]) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+    def rollgen_unpack(
+        self, layout: str, data: bytes | None
+    ) -> tuple[list[tuple[str, torch.Tensor]], bool] | None:
         start = time.perf_counter()
-        unpacked = super().rollgen_unpack(per_rank)
-        self.bench_load = {"map_s": time.perf_counter() - start}
+        unpacked = super().rollgen_unpack(layout, data)
+        if unpacked is not None:
+            self.bench_load = {"map_s": time.perf_counter() - start}
         return unpacked
 
     def rollgen_load(

@@ -248,6 +248,8 @@ def test_benchmark_extension_profiles_and_times_through_collective_rpc(bench_vll
     row = refit.profile(bench_vllm, state, bucket_mib=1)
     assert row["loaded_by"] == "loaded" and row["map_ms"] >= 0 and row["load_ms"] > 0
     assert row["total_ms"] >= row["pack_ms"] and row["bucket_mib"] == 1
+    refit.channel_round_trip(bench_vllm._refit_channels())  # the breakdown's floor: loads nothing
+    assert bench_vllm.collective_rpc("bench_last_load")[0][0]["way"] == "loaded"  # the profile's
     batch = encode(AutoTokenizer.from_pretrained(model_dir), PROMPTS)
     profile = profiled_generate(bench_vllm.collective_rpc, rollgen_generate(bench_vllm, batch))
     assert profile["profiled_s"] > 0 and profile["wall_s"] > 0

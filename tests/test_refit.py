@@ -14,6 +14,7 @@ from rollgen.refit import (
     DEFAULT_BUCKET_BYTES,
     FLAT_ALIGN,
     GPU_BUCKET_BYTES,
+    KEPT_UNPACKED,
     TensorMeta,
     WeightBucket,
     WeightSpec,
@@ -31,7 +32,7 @@ from rollgen.refit import (
     pack_bucket,
     release_staged,
     unflatten,
-    unpack_pickled,
+    unpack_request,
 )
 
 
@@ -290,21 +291,32 @@ def test_the_prefix_reset_comes_with_the_last_bucket(hf_config: dict, monkeypatc
         assert calls == ["bucket"] * count
 
 
-def test_a_staged_buckets_unpacked_tensors_are_kept_until_released() -> None:
-    """A receiver keeps what it unpacked of a staged bucket (views of a mapping it keeps) while
-    the same pickle comes, and lets go of it on ``release_staged``; other buckets are unpacked
-    anew each time."""
+def test_a_kept_layouts_unpacked_tensors_are_held_until_released() -> None:
+    """A receiver keeps what it unpacked of a kept layout's bucket (views of a mapping it keeps)
+    under the layout's name: later requests of the layout, by name alone or with the pickle
+    again, get the same tensors; a name it does not hold asks for the pickle (None); it lets
+    go on ``release_staged``, and keeps the ``KEPT_UNPACKED`` used last. Other buckets are
+    unpacked anew each time."""
     tensors = [torch.arange(4.0), torch.ones(2, 2)]
     metas = tuple(TensorMeta.of(n, t) for n, t in zip("ab", tensors))
-    staged = pickle.dumps(WeightBucket("tensors", metas, tensors, staged=True))
+    staged = pickle.dumps(WeightBucket("tensors", metas, tensors, layout="L"))
     plain = pickle.dumps(WeightBucket("tensors", metas, tensors))
-    first, kept = unpack_pickled(staged)
-    again, kept_again = unpack_pickled(staged)
+    assert unpack_request("L", None) is None
+    first, kept = unpack_request("L", staged)
+    again, kept_again = unpack_request("L", None)
     assert kept and kept_again and again is first and [n for n, _ in first] == ["a", "b"]
-    other, not_kept = unpack_pickled(plain)
-    assert not not_kept and unpack_pickled(plain)[0] is not other
+    assert unpack_request("L", staged) == (first, True)
+    other, not_kept = unpack_request("", plain)
+    assert not not_kept and unpack_request("", plain)[0] is not other
     release_staged([])
-    assert unpack_pickled(staged)[0] is not first
+    assert unpack_request("L", None) is None
+    assert unpack_request("L", staged)[0] is not first
+    for i in range(KEPT_UNPACKED):  # L, used after each of these, stays; the first of them goes
+        layout = f"L{i}"
+        unpack_request(layout, pickle.dumps(WeightBucket("tensors", metas, tensors, layout=layout)))
+        unpack_request("L", None)
+    assert unpack_request("L0", None) is None and unpack_request("L", None) is not None
+    release_staged([])
 
 
 def test_a_layout_refitted_before_skips_no_check_that_another_layout_needs(hf_config: dict) -> None:
@@ -387,7 +399,7 @@ def test_the_packed_bytes_check_finds_what_the_per_tensor_check_finds() -> None:
         views = unflatten(buf, metas, offsets)
         for view, t in zip(views, tensors):
             view.copy_(t)
-        return _Layout(WeightBucket("cuda_ipc", metas, {}, offsets, staged=True), [buf], views)
+        return _Layout(WeightBucket("cuda_ipc", metas, {}, offsets, layout="L"), [buf], views)
 
     bf16 = [torch.randn(3, dtype=torch.bfloat16), torch.randn(5, dtype=torch.bfloat16)]
     _require_finite(layout(bf16))

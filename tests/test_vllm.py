@@ -81,6 +81,7 @@ def test_trainer_loop_logprobs_match_independent_hf(dp2, model_dir: str, batch: 
             )
             stats = agreement(out["logprobs"], ref, generated_mask(out, lengths))
             assert stats["max_abs"] < 1e-4, (step, stats)
+        assert [len(ranks) for ranks in dp2._channels] == [1, 1]  # the refits went over each rank's channel
     finally:
         dp2.refit(load_reference_model(model_dir))
 

@@ -118,7 +118,8 @@ class InPlaceSources:
     def _export(self, named: Named, receivers: int) -> _Sources:
         storages, places = storage_places(named)
         metas = tuple(TensorMeta.of(n, t) for n, t in named)
-        bucket = WeightBucket("cuda_ipc", metas, {device_uuid(named[0][1].device): None}, staged=True)
+        payload = {device_uuid(named[0][1].device): None}
+        bucket = WeightBucket("cuda_ipc", metas, payload, layout=f"{self._generation}:in-place")
         pickles = []
         for _ in range(receivers):
             exports = tuple(IpcHandle.export(bytes_of(s), self._key(i)) for i, s in enumerate(storages))

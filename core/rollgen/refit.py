@@ -148,9 +148,9 @@ class InPlaceViews:
 
 #: The staging buffers this process maps (a receiver's side of ``IpcHandle.key``).
 _staged: dict[str, torch.Tensor] = {}
-#: The named tensors of the staged buckets this process unpacked, by the pickle they came in (a
-#: trainer sends a layout it sent before in the same pickle), the last ``KEPT_UNPACKED``.
-_unpacked: dict[bytes, list[tuple[str, torch.Tensor]]] = {}
+#: The named tensors of the kept layouts this process unpacked (``WeightBucket.layout``: views
+#: of mappings kept until ``release_staged``), the ``KEPT_UNPACKED`` used last.
+_unpacked: dict[str, list[tuple[str, torch.Tensor]]] = {}
 KEPT_UNPACKED = 8
 
 
@@ -162,21 +162,27 @@ def release_staged(keys: Iterable[str]) -> None:
     _unpacked.clear()
 
 
-def unpack_pickled(
-    data: bytes, device: torch.device | str | None = None
-) -> tuple[list[tuple[str, torch.Tensor]], bool]:
-    """The named tensors of a pickled bucket (``WeightBucket.unpack``), and whether they are
-    kept: a staged bucket's are views of the kept mapping, the same list while the same pickle
-    comes (do not change it), until ``release_staged``."""
-    named = _unpacked.get(data)
-    if named is None:
-        bucket: WeightBucket = pickle.loads(data)
-        named = bucket.unpack(device)
-        if not bucket.staged:
-            return named, False
-        if len(_unpacked) >= KEPT_UNPACKED:  # the oldest goes (rotating partial refits)
-            del _unpacked[next(iter(_unpacked))]
-        _unpacked[data] = named
+def unpack_request(
+    layout: str, data: bytes | None, device: torch.device | str | None = None
+) -> tuple[list[tuple[str, torch.Tensor]], bool] | None:
+    """The named tensors of a bucket sent as ``(layout, data)``: ``data`` its pickle
+    (``WeightBucket.unpack``), None for a layout this process holds; and whether they are kept.
+    A kept layout's tensors are views of kept mappings, the same list each time it comes (do not
+    change it) until ``release_staged``. None: ``data`` is None and the layout is not held here
+    (send the pickle)."""
+    named = _unpacked.pop(layout, None) if layout else None
+    if named is not None:
+        _unpacked[layout] = named  # the most recent now
+        return named, True
+    if data is None:
+        return None
+    bucket: WeightBucket = pickle.loads(data)
+    named = bucket.unpack(device)
+    if not bucket.layout:
+        return named, False
+    if len(_unpacked) >= KEPT_UNPACKED:  # the least recently used goes (rotating partial refits)
+        del _unpacked[next(iter(_unpacked))]
+    _unpacked[bucket.layout] = named
     return named, True
 
 
@@ -189,9 +195,11 @@ class WeightBucket:
     payload: Any
     #: Byte offset of each tensor in the flat buffer (``shared_memory`` and ``cuda_ipc``).
     offsets: tuple[int, ...] = ()
-    #: Packed into staging buffers (``rollgen.staging``): the payload names the GPUs, and each
-    #: receiver gets its own handles (``for_receiver``).
-    staged: bool = False
+    #: Names a layout kept between refits (``rollgen.staging``, ``rollgen.in_place``): the payload
+    #: names the GPUs, each receiver gets its own handles (``for_receiver``) and keeps what it
+    #: unpacked under this name, so later refits of the layout send only the name. Empty: a
+    #: bucket of its own.
+    layout: str = ""
     _keepalive: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -206,12 +214,17 @@ class WeightBucket:
             "metas": self.metas,
             "payload": payload,
             "offsets": self.offsets,
-            "staged": self.staged,
+            "layout": self.layout,
         }
+
+    @property
+    def staged(self) -> bool:
+        """Whether this bucket is a kept layout's (``layout``)."""
+        return bool(self.layout)
 
     def for_receiver(self, payload: Mapping[str, IpcHandle | InPlaceViews]) -> WeightBucket:
         """This staged bucket as one receiver gets it: with its own ``payload`` of handles."""
-        return WeightBucket(self.transport, self.metas, payload, self.offsets, staged=True)
+        return WeightBucket(self.transport, self.metas, payload, self.offsets, self.layout)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _keepalive=[])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
 import time
 from collections.abc import Callable, Mapping
@@ -20,13 +21,15 @@ import torch
 
 from rollgen.base import BaseGeneration, Packing, serialised
 from rollgen.data import BatchedDataDict
+from rollgen.distributed import channel
+from rollgen.distributed.channel import Channel
 from rollgen.distributed.dispatch import SampleDispatcher
 from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec, running
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
-from rollgen.errors import ConfigError, WorkerError
+from rollgen.errors import ConfigError, RollgenError, WorkerError
 from rollgen.in_place import InPlaceSources
-from rollgen.refit import WeightBucket, WeightSpec, dtype_name
+from rollgen.refit import KEPT_UNPACKED, WeightBucket, WeightSpec, dtype_name
 from rollgen.rollout import SampleRequest
 from rollgen.staging import RefitStaging, flat_sizes
 from rollgen.weight_sync import SyncGroupSpec
@@ -183,6 +186,10 @@ class RayGeneration(BaseGeneration):
             else None
         )
         self._in_place = InPlaceSources() if self._staging is not None and self.refits_in_place else None
+        #: The engine ranks' refit channels, opened by the first refit (``_refit_channels``), and
+        #: the kept layouts each engine holds (a channel sends those by name alone).
+        self._channels: list[list[Channel]] | None = None
+        self._held: list[dict[str, None]] = [{} for _ in range(self.dp_size)]
         logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, self.engine_info[0])
 
     def make_plan(self, use_gpus: bool) -> EnginePlan:
@@ -242,16 +249,61 @@ class RayGeneration(BaseGeneration):
         self._send_bucket(bucket, reset_prefix=True)
 
     def _send_bucket(self, bucket: WeightBucket, reset_prefix: bool) -> None:
+        channels = None if reset_prefix else self._refit_channels()
+        if channels:
+            self._send_over_channels(bucket, channels)
+            return
         # one pickle per leader: shared-memory handles are made per receiver, and a staged
         # bucket carries the leader's own exports of the staging buffers
-        data = [self._pickled(bucket, i) for i in range(self.dp_size)]
-        args = [(d, bucket.transport, reset_prefix) for d in data]
+        args = [
+            (bucket.layout, self._pickled(bucket, i), bucket.transport, reset_prefix)
+            for i in range(self.dp_size)
+        ]
         refs = self.group.submit(EngineWorker.apply_bucket, args)
         try:
             self.group.get(refs)
         finally:
             if bucket.staged:  # after a failure, the next refit packs into buffers others may still read
                 ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
+        for held in self._held:
+            _hold(held, bucket.layout)
+
+    def _send_over_channels(self, bucket: WeightBucket, channels: list[list[Channel]]) -> None:
+        """Every engine rank loads ``bucket`` over its refit channel: a kept layout its engine
+        holds by name alone, else with its pickle (one per rank: shared-memory handles open once
+        per receiver), which a rank that no longer holds the layout gets next. Every rank
+        answers before an error is raised (no rank still reads a staging buffer that the next
+        refit packs again)."""
+        layout, errors = bucket.layout, []
+
+        def send(to: list[tuple[int, Channel]], keyed: bool) -> list[tuple[int, Channel]]:
+            for i, rank in to:
+                rank.send((layout, None if keyed and layout in self._held[i] else self._pickled(bucket, i)))
+            missed = []
+            for i, rank in to:
+                try:
+                    if not rank.result():
+                        missed.append((i, rank))
+                except RollgenError as exc:
+                    errors.append(exc)
+            return missed
+
+        missed = send([(i, rank) for i, engine in enumerate(channels) for rank in engine], keyed=True)
+        if missed:  # ranks keep the last KEPT_UNPACKED layouts
+            send(missed, keyed=False)
+        if errors:
+            raise errors[0]
+        for held in self._held:
+            _hold(held, layout)
+
+    def _refit_channels(self) -> list[list[Channel]]:
+        """The engine ranks' refit channels (``rollgen.distributed.channel``), opened by the first
+        refit; none where an engine has none or one does not connect (the RPC serves then)."""
+        if self._channels is None:
+            authkey = os.urandom(32)
+            addresses = self.group.call_all(EngineWorker.open_channels, authkey)
+            self._channels = channel.connect(addresses, authkey, self.group.names) if all(addresses) else []
+        return self._channels
 
     def _pickled(self, bucket: WeightBucket, worker: int) -> bytes:
         if bucket.staged and self._in_place is not None and self._in_place.holds(bucket):
@@ -317,6 +369,8 @@ class RayGeneration(BaseGeneration):
         engines: a refit's own, or shutdown's)."""
         if not keys:
             return
+        for held in self._held:  # the engines let go of what they unpacked too
+            held.clear()
         try:
             refs = self.group.submit(EngineWorker.release_staged, [(keys,)] * self.dp_size)
             self.group.get(refs, timeout_s=STAGED_WAIT_S)
@@ -375,6 +429,7 @@ class RayGeneration(BaseGeneration):
             self._release()
 
     def _release(self) -> None:
+        channel.close(getattr(self, "_channels", None) or [])
         dispatcher = getattr(self, "_dispatcher", None)
         if dispatcher is not None:
             dispatcher.close()
@@ -385,3 +440,13 @@ class RayGeneration(BaseGeneration):
             wait_for_exit([i["pid"] for i in getattr(self, "engine_info", []) if i["node"] == here])
         if self._own_cluster and getattr(self, "cluster", None) is not None:
             self.cluster.shutdown()
+
+
+def _hold(held: dict[str, None], layout: str) -> None:
+    """Note that an engine holds ``layout`` (none for a bucket of its own), as many as its ranks
+    keep (``refit.KEPT_UNPACKED``: the least recently used goes)."""
+    if layout:
+        held.pop(layout, None)
+        held[layout] = None
+        if len(held) > KEPT_UNPACKED:
+            del held[next(iter(held))]

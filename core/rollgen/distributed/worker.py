@@ -162,14 +162,27 @@ class EngineWorker(ABC):
             request.input_ids, request.input_lengths, tokens, logprobs, self.spec.pad_token_id
         )
 
-    def apply_bucket(self, data: bytes, transport: str, reset_prefix: bool = False) -> None:
-        """Load one pickled, validated ``WeightBucket`` of ``transport`` (one pickle per worker:
-        shared-memory handles open once per receiver, and staged CUDA IPC buffers are exported
-        for each); ``reset_prefix``: then drop every cached prefix (an update's last bucket: one
-        round trip for both)."""
-        self._load_pickled(data, transport)
+    def apply_bucket(
+        self, layout: str, data: bytes | None, transport: str, reset_prefix: bool = False
+    ) -> bool:
+        """Load one validated ``WeightBucket`` of ``transport``, sent as ``(layout, data)``
+        (``refit.unpack_request``: ``data`` its pickle, one per worker, as shared-memory handles
+        open once per receiver and staged CUDA IPC buffers are exported for each; None for a
+        kept layout); ``reset_prefix``: then drop every cached prefix (an update's last bucket:
+        one round trip for both). False, having loaded nothing: the layout is not held here,
+        send its pickle."""
+        if not self._load_request(layout, data, transport):
+            return False
         if reset_prefix:
             self._reset_prefix_cache()
+        return True
+
+    def open_channels(self, authkey: bytes) -> list[str]:
+        """The address of a refit channel to each of this engine's ranks, which loads what
+        ``apply_bucket`` loads without the Ray call and the engine's RPC
+        (``rollgen.distributed.channel``; ``authkey`` authenticates the driver); empty where the
+        engine has none."""
+        return self._open_channels(authkey)
 
     def release_staged(self, keys: list[str]) -> None:
         """Unmap the trainer's staging buffers ``keys`` (it frees them once every worker has)."""
@@ -298,9 +311,18 @@ class EngineWorker(ABC):
     def _load_bucket(self, bucket: WeightBucket) -> None:
         """Load a validated bucket of full (unsharded) HF-named tensors into every rank."""
 
-    def _load_pickled(self, data: bytes, transport: str) -> None:
-        """Load a pickled bucket (engines whose ranks can take it as it is pass it on)."""
+    def _load_request(self, layout: str, data: bytes | None, transport: str) -> bool:
+        """Load a bucket sent as ``(layout, data)`` (``apply_bucket``); engines whose ranks can
+        take the pickle as it is pass it on, engines that keep layouts may load a kept one.
+        Here: the pickle, loaded through ``_load_bucket``."""
+        if data is None:
+            return False
         self._load_bucket(pickle.loads(data).resolve())
+        return True
+
+    def _open_channels(self, authkey: bytes) -> list[str]:
+        """Open a refit channel to each rank (``open_channels``); none here."""
+        return []
 
     def _release_staged(self, keys: list[str]) -> None:
         """Unmap staging buffers wherever this engine mapped them (here, by default)."""

@@ -2,7 +2,8 @@
 
 A ``vllm_kwargs["worker_extension_cls"]`` of your own must subclass ``RollgenWorkerExtension``;
 its methods are then reachable through ``VllmGeneration.collective_rpc``. A subclass may wrap
-``rollgen_unpack`` and ``rollgen_load`` (the two steps of a refit on each rank)."""
+``rollgen_unpack`` and ``rollgen_load`` (the two steps of a refit on each rank, over the RPC
+and over the rank's refit channel alike)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import time
 
 import torch
 
+from rollgen.distributed.channel import ChannelServer
 from rollgen.distributed.worker import returns_errors
 from rollgen.errors import ConfigError
-from rollgen.refit import WeightSpec, device_uuid, release_staged, unpack_pickled
+from rollgen.refit import WeightSpec, device_uuid, release_staged, unpack_request
 from rollgen.weight_sync import SyncGroup, SyncGroupSpec, receive
 from rollgen_vllm import logs
 from rollgen_vllm.load_plan import LoadPlans, LoadWay, bound_parameters
@@ -30,28 +32,52 @@ class RollgenWorkerExtension:
     """Methods reached through ``LLM.collective_rpc``; ``self`` is a vLLM worker."""
 
     @returns_errors
-    def rollgen_load_bucket(self, per_rank: list[bytes], replay: bool) -> None:
-        """Load one pickled WeightBucket of HF-named full tensors (``per_rank[rank]``); each
-        rank keeps its own shard."""
+    def rollgen_load_bucket(self, layout: str, per_rank: list[bytes] | None, replay: bool) -> bool:
+        """Load one bucket of HF-named full tensors, sent as ``(layout, per_rank[rank])``
+        (``refit.unpack_request``; ``per_rank`` None for a kept layout); each rank keeps its own
+        shard. False, having loaded nothing: the layout is not held here."""
+        return self.rollgen_load_request(
+            layout, None if per_rank is None else per_rank[self.rollgen_rank], replay
+        )
+
+    def rollgen_load_request(self, layout: str, data: bytes | None, replay: bool) -> bool:
+        """Load this rank's bucket sent as ``(layout, data)`` (what ``rollgen_load_bucket`` and
+        this rank's refit channel take); False: the layout is not held here."""
         start = time.perf_counter()
-        named, kept = self.rollgen_unpack(per_rank)
+        unpacked = self.rollgen_unpack(layout, data)
+        if unpacked is None:
+            return False
+        named, kept = unpacked
         mapped = time.perf_counter()
         way = self.rollgen_load(named, replay, kept)
         logger.debug(
             "rank %d: %d tensors mapped in %.2f ms, %s in %.2f ms",
-            getattr(self, "rank", 0),
+            self.rollgen_rank,
             len(named),
             (mapped - start) * 1e3,
             way,
             (time.perf_counter() - mapped) * 1e3,
         )
+        return True
+
+    def rollgen_open_channel(self, authkey: bytes, replay: bool) -> str:
+        """Open this rank's refit channel (``rollgen.distributed.channel``), which loads each
+        request ``(layout, data)`` as ``rollgen_load_request`` does; its address."""
+        self.rollgen_channel = ChannelServer(
+            lambda request: self.rollgen_load_request(*request, replay), authkey, self.rollgen_device()
+        )
+        return self.rollgen_channel.address
+
+    @property
+    def rollgen_rank(self) -> int:
+        return int(getattr(self, "rank", 0))
 
     @returns_errors
     def rollgen_join_weight_sync(self, spec: bytes, first_rank: int) -> None:
         """Join the weight-sync group of the pickled ``SyncGroupSpec`` as rank ``first_rank`` +
         this worker's rank."""
         group: SyncGroupSpec = pickle.loads(spec)
-        self.rollgen_sync = SyncGroup(group, first_rank + getattr(self, "rank", 0), self.rollgen_device())
+        self.rollgen_sync = SyncGroup(group, first_rank + self.rollgen_rank, self.rollgen_device())
 
     @returns_errors
     def rollgen_receive_weights(self, spec: bytes, replay: bool) -> bool:
@@ -80,10 +106,13 @@ class RollgenWorkerExtension:
             for tensor in cache if isinstance(cache, (list, tuple)) else [cache]:
                 tensor.zero_()
 
-    def rollgen_unpack(self, per_rank: list[bytes]) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+    def rollgen_unpack(
+        self, layout: str, data: bytes | None
+    ) -> tuple[list[tuple[str, torch.Tensor]], bool] | None:
         """This rank's bucket as named tensors (CUDA IPC: mapped on this worker's GPU), and
-        whether they are kept (a staged bucket's: ``refit.unpack_pickled``)."""
-        return unpack_pickled(per_rank[getattr(self, "rank", 0)], self.rollgen_device())
+        whether they are kept (a kept layout's: ``refit.unpack_request``); None: ``data`` is
+        None and the layout is not held here."""
+        return unpack_request(layout, data, self.rollgen_device())
 
     def rollgen_load(
         self, named: list[tuple[str, torch.Tensor]], replay: bool, kept: bool = False

@@ -179,17 +179,21 @@ class VllmWorker(EngineWorker):
 
     def _load_bucket(self, bucket: WeightBucket) -> None:
         # one pickle per TP rank: shared-memory handles open once each
-        self._load_per_rank([pickle.dumps(bucket) for _ in range(self.spec.tensor_parallel_size)])
+        self._load_per_rank("", [pickle.dumps(bucket) for _ in range(self.spec.tensor_parallel_size)])
 
-    def _load_pickled(self, data: bytes, transport: str) -> None:
+    def _load_request(self, layout: str, data: bytes | None, transport: str) -> bool:
         if transport != "cuda_ipc":
-            super()._load_pickled(data, transport)
-            return
+            return super()._load_request(layout, data, transport)
         # handles of GPU buffers, not memory: every rank takes the driver's pickle as it is
-        self._load_per_rank([data] * self.spec.tensor_parallel_size)
+        return self._load_per_rank(layout, None if data is None else [data] * self.spec.tensor_parallel_size)
 
-    def _load_per_rank(self, per_rank: list[bytes]) -> None:
-        self._rpc(RollgenWorkerExtension.rollgen_load_bucket, per_rank, self.spec.engine["replay_refit"])
+    def _load_per_rank(self, layout: str, per_rank: list[bytes] | None) -> bool:
+        replay = self.spec.engine["replay_refit"]
+        return all(self._rpc(RollgenWorkerExtension.rollgen_load_bucket, layout, per_rank, replay))
+
+    def _open_channels(self, authkey: bytes) -> list[str]:
+        replay = self.spec.engine["replay_refit"]
+        return self._rpc(RollgenWorkerExtension.rollgen_open_channel, authkey, replay)
 
     def _release_staged(self, keys: list[str]) -> None:
         self._rpc(RollgenWorkerExtension.rollgen_release_staged, keys)

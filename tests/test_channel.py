@@ -1,0 +1,135 @@
+"""Refit channels (``rollgen.distributed.channel``): answers in order, errors brought back typed,
+a rank whose process ended, ranks that do not connect; and the driver's use of them for kept
+layouts (a name alone once an engine holds it, the pickle again for a rank that lost it, every
+rank's answer before an error). Real vLLM refits over them in test_vllm.py and the suite."""
+
+import multiprocessing
+import os
+import pickle
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from rollgen.distributed import channel
+from rollgen.distributed.channel import Channel, ChannelServer
+from rollgen.distributed.generation import RayGeneration
+from rollgen.errors import RefitError, WorkerError
+from rollgen.refit import TensorMeta, WeightBucket
+
+CPU = torch.device("cpu")
+
+
+def serve(handle: Any) -> Channel:
+    key = os.urandom(16)
+    return Channel(ChannelServer(handle, key, CPU).address, key, "engine rank 0")
+
+
+def double(request: Any) -> Any:
+    if request == "refit":
+        raise RefitError("rejected on the rank", ["a problem"])
+    if request == "bad":
+        raise ValueError("a bug on the rank")
+    return request * 2
+
+
+def test_a_channel_answers_in_order_and_brings_errors_back_typed() -> None:
+    ch = serve(double)
+    for request in (1, 2, "refit", "bad", 3):
+        ch.send(request)
+    assert [ch.result(), ch.result()] == [2, 4]
+    with pytest.raises(RefitError, match="rejected on the rank") as rejected:
+        ch.result()
+    assert rejected.value.problems == ["a problem"]
+    with pytest.raises(WorkerError, match="engine rank 0: raised ValueError: a bug on the rank") as crashed:
+        ch.result()
+    assert "ValueError" in crashed.value.remote_traceback and not crashed.value.died
+    assert ch.result() == 6  # still serving
+    ch.close()
+
+
+def _rank(conn: Any, key: bytes) -> None:
+    server = ChannelServer(lambda _: threading.Event().wait(), key, CPU)  # never answers
+    conn.send(server.address)
+    threading.Event().wait()
+
+
+def test_a_channel_whose_rank_process_ended_is_a_dead_worker() -> None:
+    key = os.urandom(16)
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    rank = multiprocessing.get_context("spawn").Process(target=_rank, args=(child, key), daemon=True)
+    rank.start()
+    try:
+        ch = Channel(parent.recv(), key, "rollgen-vllm-dp1 rank 0")
+        ch.send("load")
+    finally:
+        rank.kill()
+        rank.join()
+    with pytest.raises(WorkerError, match="rollgen-vllm-dp1 rank 0: its refit channel closed") as info:
+        ch.result()
+    assert info.value.died
+
+
+def test_channels_open_to_every_rank_or_to_none() -> None:
+    key = os.urandom(16)
+    servers = [ChannelServer(double, key, CPU) for _ in range(3)]
+    opened = channel.connect(
+        [[servers[0].address, servers[1].address], [servers[2].address]], key, ["a", "b"]
+    )
+    assert [[c.name for c in engine] for engine in opened] == [["a rank 0", "a rank 1"], ["b rank 0"]]
+    opened[1][0].send(5)
+    assert opened[1][0].result() == 10
+    channel.close(opened)
+    unreachable = ChannelServer(double, key, CPU).address + "-elsewhere"
+    assert channel.connect([[ChannelServer(double, key, CPU).address], [unreachable]], key, ["a", "b"]) == []
+
+
+class Rank:
+    """A stand-in engine rank for the driver's side: it keeps what it unpacked by layout, as
+    ``refit.unpack_request`` does, in a table of its own, and can be told to fail."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, Any] = {}
+        self.requests: list[tuple[str, bool]] = []
+        self.fail = False
+
+    def handle(self, request: tuple[str, bytes | None]) -> bool:
+        layout, data = request
+        self.requests.append((layout, data is not None))
+        if self.fail:
+            raise RefitError("this rank's load failed")
+        if data is None and layout not in self.kept:
+            return False
+        if data is not None:
+            self.kept[layout] = pickle.loads(data)
+        return True
+
+
+def test_the_driver_sends_a_kept_layout_by_name_once_each_engine_holds_it() -> None:
+    """Two engines of two ranks: the first refit of a layout carries its pickle, later ones the
+    name alone; a rank that lost the layout gets the pickle next; an error on one rank is raised
+    once every rank answered, and leaves what the engines hold as it was."""
+    ranks = [Rank() for _ in range(4)]
+    channels = [[serve(r.handle) for r in ranks[:2]], [serve(r.handle) for r in ranks[2:]]]
+    metas = (TensorMeta("w", (2,), "float32"),)
+    bucket = WeightBucket("tensors", metas, [torch.ones(2)], layout="L")
+    driver = SimpleNamespace(_held=[{}, {}], _pickled=lambda b, i: pickle.dumps(b), name="test")
+
+    def refit() -> None:
+        RayGeneration._send_over_channels(driver, bucket, channels)  # type: ignore[arg-type]
+
+    refit()
+    refit()
+    assert all(r.requests == [("L", True), ("L", False)] for r in ranks)
+    del ranks[3].kept["L"]
+    refit()
+    assert ranks[3].requests[2:] == [("L", False), ("L", True)]
+    assert all(r.requests[2:] == [("L", False)] for r in ranks[:3])
+    ranks[0].fail = True
+    with pytest.raises(RefitError, match="this rank's load failed"):
+        refit()
+    assert [len(r.requests) for r in ranks] == [4, 4, 4, 5]  # every rank was asked, and answered
+    assert driver._held == [{"L": None}, {"L": None}]
+    channel.close(channels)
