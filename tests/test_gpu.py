@@ -129,6 +129,17 @@ def test_refits_of_the_same_tensors_read_them_in_place(hf_config: dict, batch: d
             stats = agrees_with(copy.deepcopy(trainer), out, batch)
             assert stats["token_mult_prob_error"] < 1.05, (step, stats)
         assert not torch.equal(out["output_ids"], first["output_ids"])
+        bias = next(p for n, p in trainer.named_parameters() if n.endswith("q_proj.bias"))
+        with torch.no_grad():
+            bias[0] = float("nan")  # a bad step: the check of the tensors read in place refuses it
+        with pytest.raises(rollgen.RefitError, match="hold NaN or infinite values") as bad:
+            gen.refit(trainer)
+        assert bad.value.problems == [next(n for n, p in trainer.named_parameters() if p is bias)]
+        assert torch.equal(gen.generate(batch, greedy=True)["output_ids"], out["output_ids"])
+        with torch.no_grad():
+            bias[0] = 0.0
+        gen.refit(trainer)
+        out = gen.generate(batch, greedy=True)
         with torch.no_grad():
             weight = trainer.get_input_embeddings().weight
             weight.data = weight.data.clone()  # new storage: not the tensors read in place
@@ -136,6 +147,33 @@ def test_refits_of_the_same_tensors_read_them_in_place(hf_config: dict, batch: d
         assert torch.cuda.memory_allocated() - in_place >= staged, "no staging buffer again"
         again = gen.generate(batch, greedy=True)
         assert torch.equal(again["output_ids"], out["output_ids"])
+
+
+@pytest.mark.gpu
+def test_the_graphed_check_finds_what_nonfinite_finds() -> None:
+    """The NaN check of tensors read in place, replayed as a CUDA graph, answers as the plain
+    check does after the tensors change in place: bf16, float32 and float64 tensors, a huge but
+    finite one (its norm overflows), an integer one."""
+    from rollgen.refit import GraphedCheck, nonfinite
+
+    def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=dtype)
+
+    named = [
+        ("a", randn(1000, dtype=torch.bfloat16)),
+        ("b", randn(3, 5)),
+        ("c", torch.full((4,), 3e38, device="cuda")),
+        ("d", torch.arange(4, device="cuda")),
+        ("e", randn(7, dtype=torch.float64)),
+    ]
+    check = GraphedCheck(named)
+    assert check.nonfinite() == [] == nonfinite(named)
+    named[1][1][2, 3] = float("nan")
+    named[4][1][0] = float("inf")
+    assert check.nonfinite() == nonfinite(named) == ["b", "e"]
+    named[1][1].zero_()
+    named[4][1].zero_()
+    assert check.nonfinite() == []
 
 
 @pytest.mark.gpu2

@@ -476,5 +476,49 @@ def test_in_place_refits_take_only_the_last_refits_very_tensors(monkeypatch) -> 
     sources.note(named())
     monkeypatch.setattr(in_place.InPlaceSources, "_export", no_export)
     with pytest.raises(RefitError, match="cannot share the trainer's tensors"):
-        sources.pack(named(), 1)
+        sources.pack(named(), 1, True)
     assert not sources.applies(named(), None, ("GPU-0",)) and not sources.keys
+
+
+def test_in_place_refits_check_the_tensors_by_a_check_kept_for_them(monkeypatch, caplog) -> None:
+    """A checked refit in place rejects NaN or infinite values before anything is sent, by a
+    check made once for the tensors read in place (a CUDA graph, ``GraphedCheck``: stood in for
+    here, as are the export and the device sync, which need a GPU); where torch cannot capture
+    the graph, the plain check serves, with a warning."""
+    import logging
+
+    from rollgen import in_place
+    from rollgen.in_place import InPlaceSources, _Sources
+
+    made = []
+
+    class Check:  # stand-in for GraphedCheck, with nonfinite's answers
+        def __init__(self, named: list) -> None:
+            made.append(named)
+            self.nonfinite = lambda: nonfinite(named)
+
+    def export(self: InPlaceSources, named: list, receivers: int) -> _Sources:
+        return _Sources(WeightBucket("tensors", (), [], layout="L"), in_place._fingerprint(named), [], [b""])
+
+    monkeypatch.setattr(in_place, "GraphedCheck", Check)
+    monkeypatch.setattr(in_place.InPlaceSources, "_export", export)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    weight = torch.ones(3)
+    named = [("w", weight)]
+    sources = InPlaceSources()
+    assert sources.pack(named, 1, True) is sources.pack(named, 1, True)
+    assert len(made) == 1
+    weight[1] = float("nan")
+    with pytest.raises(RefitError, match="1 tensor\\(s\\) hold NaN or infinite values") as info:
+        sources.pack(named, 1, True)
+    assert info.value.problems == ["w"]
+    sources.pack(named, 1, False)  # unchecked
+    sources.release()
+
+    def no_graph(named: list) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(in_place, "GraphedCheck", no_graph)
+    with caplog.at_level(logging.WARNING, "rollgen.in_place"), pytest.raises(RefitError, match="hold NaN"):
+        sources.pack(named, 1, True)
+    assert "runs unreplayed: operation not permitted" in caplog.text

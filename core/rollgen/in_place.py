@@ -18,16 +18,31 @@ tensors (moving its model to the CPU, say); torch's IPC reference counting would
 
 from __future__ import annotations
 
+import logging
 import pickle
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 import torch
 
 from rollgen.errors import RefitError
-from rollgen.refit import InPlaceViews, IpcHandle, Named, TensorMeta, WeightBucket, device_uuid
+from rollgen.refit import (
+    GraphedCheck,
+    InPlaceViews,
+    IpcHandle,
+    Named,
+    TensorMeta,
+    WeightBucket,
+    device_uuid,
+    nonfinite,
+    reject_nonfinite,
+)
+
+logger = logging.getLogger(__name__)
 
 #: What tells a refit's tensors apart: its names, and each tensor's storage (weakly held), place,
 #: shape, strides and dtype.
@@ -36,13 +51,15 @@ Fingerprint = tuple[tuple[str, ...], list[tuple["weakref.ref[torch.UntypedStorag
 
 @dataclass
 class _Sources:
-    """The tensors read in place: their bucket, their fingerprint, their storages and each
-    receiver's pickle of the bucket (with that receiver's exports)."""
+    """The tensors read in place: their bucket, their fingerprint, their storages, each
+    receiver's pickle of the bucket (with that receiver's exports), and their NaN check (made by
+    the first refit that checks them)."""
 
     bucket: WeightBucket
     fingerprint: Fingerprint
     storages: list[torch.UntypedStorage]
     pickles: list[bytes]
+    check: Callable[[], list[str]] | None = None
 
 
 class InPlaceSources:
@@ -81,11 +98,12 @@ class InPlaceSources:
         """Remember the tensors of a refit packed another way."""
         self._noted = _fingerprint(named)
 
-    def pack(self, named: Named, receivers: int) -> WeightBucket:
+    def pack(self, named: Named, receivers: int, check_finite: bool) -> WeightBucket:
         """The bucket that has the engines read ``named`` in place (``applies`` was true; when
         they are not the tensors read in place already, none are: a changed source released
         them), exported for ``receivers`` engine workers, once the trainer's work on them is
-        done. RefitError, before anything is sent, where torch cannot export a storage."""
+        done. RefitError, before anything is sent, where torch cannot export a storage, and
+        with ``check_finite`` where a tensor holds a NaN or an infinity (``GraphedCheck``)."""
         if self._sources is None:
             self._generation = uuid.uuid4().hex
             try:
@@ -96,8 +114,22 @@ class InPlaceSources:
                     f"cannot share the trainer's tensors with the engines ({exc}); nothing was sent. "
                     "Refit again: this generation's refits go through the staging buffers from now on"
                 ) from None
+        if check_finite:
+            reject_nonfinite(self._check(named))
         torch.cuda.synchronize(named[0][1].device)  # receivers read on their own streams
         return self._sources.bucket
+
+    def _check(self, named: Named) -> list[str]:
+        """``nonfinite(named)``, by the kept tensors' check: a CUDA graph made the first time
+        (the plain check where torch cannot capture one)."""
+        sources = cast(_Sources, self._sources)
+        if sources.check is None:
+            try:
+                sources.check = GraphedCheck(named).nonfinite
+            except RuntimeError as exc:
+                logger.warning("the NaN check of the tensors read in place runs unreplayed: %s", exc)
+                sources.check = partial(nonfinite, list(named))
+        return sources.check()
 
     def holds(self, bucket: WeightBucket) -> bool:
         """Whether ``bucket`` is the one ``pack`` returns."""

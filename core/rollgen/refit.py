@@ -428,25 +428,82 @@ def nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     pass (in float32, float64 tensors in their own) and one host sync per device, with no kernel
     per tensor beyond it; a tensor whose norm is not finite is then checked element-wise (a huge
     but finite tensor overflows its norm)."""
+    bad = []
+    for (_, wide), group in _norm_groups(named).items():
+        norms = _norms(group, wide)
+        if not bool(norms.isfinite().all()):
+            bad += _exactly_nonfinite(group, norms)
+    return bad
+
+
+def _norm_groups(
+    named: Iterable[tuple[str, torch.Tensor]],
+) -> dict[tuple[torch.device, bool], list[tuple[str, torch.Tensor]]]:
+    """The floating-point tensors, by device and by whether they are float64 (``_foreach_norm``
+    takes no narrowing dtype)."""
     groups: dict[tuple[torch.device, bool], list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in named:
         if tensor.is_floating_point() and tensor.numel():
-            wide = tensor.dtype == torch.float64  # _foreach_norm takes no narrowing dtype
-            groups.setdefault((tensor.device, wide), []).append((name, tensor))
-    bad = []
-    for (_, wide), group in groups.items():
-        tensors = [t for _, t in group]
-        norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=None if wide else torch.float32))
-        if bool(norms.isfinite().all()):
-            continue
-        suspects = (~norms.isfinite()).nonzero().flatten().tolist()
-        bad += [group[i][0] for i in suspects if not bool(torch.isfinite(group[i][1]).all())]
-    return bad
+            groups.setdefault((tensor.device, tensor.dtype == torch.float64), []).append((name, tensor))
+    return groups
+
+
+def _norms(group: Sequence[tuple[str, torch.Tensor]], wide: bool) -> torch.Tensor:
+    """Each tensor's 2-norm (float32, or float64 for ``wide`` groups), one fused pass."""
+    tensors = [t for _, t in group]
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=None if wide else torch.float32))
+
+
+def _exactly_nonfinite(group: Sequence[tuple[str, torch.Tensor]], norms: torch.Tensor) -> list[str]:
+    """Of the tensors whose norm is not finite, those that hold a NaN or an infinity."""
+    suspects = (~norms.isfinite()).nonzero().flatten().tolist()
+    return [group[i][0] for i in suspects if not bool(torch.isfinite(group[i][1]).all())]
+
+
+class GraphedCheck:
+    """``nonfinite`` of tensors that stay where they are (the same storages, places and forms at
+    every call: a trainer's parameters, refitted in place), its fused norms captured once as a
+    CUDA graph on their GPU and replayed: one launch instead of one per chunk of tensors (1.33
+    against 1.98 ms for 3.09 GB on an H200). The tensors must outlive it."""
+
+    def __init__(self, named: Named) -> None:
+        self._groups = list(_norm_groups(named).items())
+        self._graph = torch.cuda.CUDAGraph()
+        if not self._groups:
+            return
+        with torch.cuda.device(self._groups[0][0][0]), torch.no_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # a first run off the capture (lazy initialisation)
+                for (_, wide), group in self._groups:
+                    _norms(group, wide)
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
+                self._norms = [_norms(group, wide) for (_, wide), group in self._groups]
+                self._finite = torch.stack([n.isfinite().all() for n in self._norms]).all()
+
+    @torch.no_grad()
+    def nonfinite(self) -> list[str]:
+        """What ``nonfinite`` of the tensors returns now."""
+        if not self._groups:
+            return []
+        self._graph.replay()
+        if bool(self._finite):
+            return []
+        return [
+            name
+            for (_, group), norms in zip(self._groups, self._norms)
+            for name in _exactly_nonfinite(group, norms)
+        ]
 
 
 def require_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:
     """RefitError naming every tensor that holds a NaN or an infinity."""
-    bad = nonfinite(named)
+    reject_nonfinite(nonfinite(named))
+
+
+def reject_nonfinite(bad: list[str]) -> None:
+    """RefitError naming the tensors ``bad`` (holding a NaN or an infinity), if any."""
     if bad:
         raise RefitError(
             f"weight update rejected: {len(bad)} tensor(s) hold NaN or infinite values; nothing of "

@@ -323,7 +323,9 @@ class RayGeneration(BaseGeneration):
         named = [pair for group in groups for pair in group]
         if in_place is not None and in_place.applies(named, dtype, self.engine_devices):
             pack = in_place.pack
-            return Packing([named], lambda group, _: pack(group, self.dp_size), prepare=self._release_staging)
+            return Packing(
+                [named], lambda group, check: pack(group, self.dp_size, check), True, self._release_staging
+            )
 
         def prepare() -> None:
             self._release_in_place()
