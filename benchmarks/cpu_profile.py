@@ -4,8 +4,29 @@ time)."""
 
 from __future__ import annotations
 
+import cProfile
 import statistics
 from typing import Any
+
+
+def stats(profiler: cProfile.Profile, top: int) -> dict[str, Any]:
+    """A stopped profile as the benchmarks keep it: the profiled seconds and the ``top``
+    functions by their own time."""
+    entries = profiler.getstats()
+    top_entries = sorted(entries, key=lambda e: e.inlinetime, reverse=True)[:top]
+    return {
+        "profiled_s": sum(e.inlinetime for e in entries),
+        "top": [
+            {"function": where(e.code), "calls": e.callcount, "own_s": e.inlinetime} for e in top_entries
+        ],
+    }
+
+
+def where(code: Any) -> str:
+    """A profiled function as ``file.py:line(name)`` (built-ins as cProfile names them)."""
+    if isinstance(code, str):
+        return code
+    return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}({code.co_name})"
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ same run."""
 from __future__ import annotations
 
 import argparse
+import cProfile
 import itertools
 import statistics
 import time
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import cpu_profile
 from benchmarks.common import timed, timed_call
 from rollgen.refit import (
     WeightSpec,
@@ -234,6 +236,33 @@ def breakdown(gen: Any, states: list[dict[str, torch.Tensor]], repeats: int, pat
         "replay_ms": plan.pop("replay_s") * 1e3,
         **plan,
     }
+
+
+def driver_profile(
+    gen: Any, states: list[dict[str, torch.Tensor]], repeats: int, top: int = 25
+) -> list[dict[str, Any]]:
+    """A CPU profile (cProfile) of the driver's side of ``repeats`` unchecked refits of
+    ``states`` in turn (as ``measure``: one state goes in place), after a warm-up round: a row
+    per function of the ``top`` by their own time, milliseconds per refit (waits included: the
+    engines' answer is a ``recv``), after a first row of all the profiled time."""
+    turns = itertools.cycle(states)
+    for _ in states:
+        gen.refit(next(turns), check_finite=False)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(repeats):
+        gen.refit(next(turns), check_finite=False)
+    profiler.disable()
+    profile = cpu_profile.stats(profiler, top)
+    rows = [{"function": "(all profiled)", "calls": 0, "own_s": profile["profiled_s"]}, *profile["top"]]
+    return [
+        {
+            "function": r["function"],
+            "calls": r["calls"] / repeats,
+            "own_ms_per_refit": r["own_s"] * 1e3 / repeats,
+        }
+        for r in rows
+    ]
 
 
 def channel_round_trip(channels: list[list[Any]]) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import cpu_profile
 from rollgen_vllm.extension import RollgenWorkerExtension
 from rollgen_vllm.load_plan import LoadWay
 
@@ -91,14 +92,7 @@ class BenchWorkerExtension(RollgenWorkerExtension):
         profiler = self.bench_profiler
         profiler.disable()
         del self.bench_profiler
-        entries = profiler.getstats()
-        top_entries = sorted(entries, key=lambda e: e.inlinetime, reverse=True)[:top]
-        return {
-            "profiled_s": sum(e.inlinetime for e in entries),
-            "top": [
-                {"function": _where(e.code), "calls": e.callcount, "own_s": e.inlinetime} for e in top_entries
-            ],
-        }
+        return cpu_profile.stats(profiler, top)
 
 
 def _fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -116,10 +110,3 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
-
-
-def _where(code: Any) -> str:
-    """A profiled function as ``file.py:line(name)`` (built-ins as cProfile names them)."""
-    if isinstance(code, str):
-        return code
-    return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}({code.co_name})"

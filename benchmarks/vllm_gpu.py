@@ -254,6 +254,7 @@ def refit_part(args: argparse.Namespace, model: str) -> dict[str, list]:
     step("by_bucket", staged + in_place, refit.COLUMNS)
     staged_steps = refit.breakdown(gen, states, args.repeats, "staged")
     step("breakdown", [staged_steps, refit.breakdown(gen, states[:1], args.repeats, "in place")])
+    step("driver_profile", refit.driver_profile(gen, states[:1], args.repeats))
     step("finite_check", [refit.finite_check(states[0], args.repeats)])
     step("after_generate", [refit.after_generate(gen, states[0], workload_batch(1), args.repeats)])
     step("profile", [refit.profile(gen, states[0], mib) for mib in args.bucket_mib])

@@ -250,6 +250,9 @@ def test_benchmark_extension_profiles_and_times_through_collective_rpc(bench_vll
     assert row["total_ms"] >= row["pack_ms"] and row["bucket_mib"] == 1
     refit.channel_round_trip(bench_vllm._refit_channels())  # the breakdown's floor: loads nothing
     assert bench_vllm.collective_rpc("bench_last_load")[0][0]["way"] == "loaded"  # the profile's
+    driver = refit.driver_profile(bench_vllm, [state], repeats=2)
+    assert driver[0]["function"] == "(all profiled)" and driver[0]["own_ms_per_refit"] > 0
+    assert len(driver) > 1 and all(r["own_ms_per_refit"] >= 0 for r in driver[1:])
     batch = encode(AutoTokenizer.from_pretrained(model_dir), PROMPTS)
     profile = profiled_generate(bench_vllm.collective_rpc, rollgen_generate(bench_vllm, batch))
     assert profile["profiled_s"] > 0 and profile["wall_s"] > 0
