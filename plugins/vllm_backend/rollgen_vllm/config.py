@@ -24,8 +24,8 @@ class VllmCfg(RayEngineCfg):
     replay_refit: NotRequired[Annotated[bool, Field(default=True)]]
     #: On GPU, a colocated trainer's refit of the very tensors it refitted last has the engines
     #: read them in place (``rollgen.in_place``: no staging buffer, one copy) instead of through
-    #: the staging buffers. Off by default until its GPU test has run (docs/vllm.md).
-    refit_in_place: NotRequired[Annotated[bool, Field(default=False)]]
+    #: the staging buffers; it keeps the source's storages allocated until released (docs/vllm.md).
+    refit_in_place: NotRequired[Annotated[bool, Field(default=True)]]
 
 
 class VllmConfig(GenerationConfig):
