@@ -111,7 +111,8 @@ def test_refits_of_the_same_tensors_read_them_in_place(hf_config: dict, batch: d
         held = torch.cuda.memory_allocated()
         gen.refit(trainer)  # the same tensors: in place, and the staging buffer is released
         freed = held - torch.cuda.memory_allocated()
-        assert freed >= staged, f"going in place freed {freed} bytes of the {staged} staged"
+        kept_check = 4 << 10  # the NaN check kept for the tensors read in place: a float each, and a bool
+        assert freed >= staged - kept_check, f"going in place freed {freed} bytes of the {staged} staged"
         assert torch.equal(gen.generate(batch, greedy=True)["output_ids"], first["output_ids"])
         g = torch.Generator(device="cuda").manual_seed(0)
         in_place = torch.cuda.memory_allocated()
