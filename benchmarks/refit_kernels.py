@@ -22,7 +22,7 @@ import torch
 from benchmarks.common import print_table, qwen25_1p5b_dir, save_all, timed
 from benchmarks.refit import copy_floor, random_state
 from rollgen.model_info import ModelInfo
-from rollgen.refit import TensorMeta, flat_offsets, nonfinite, unflatten
+from rollgen.refit import TensorMeta, flat_offsets, graphed, nonfinite, unflatten
 
 
 def per_tensor(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -52,17 +52,10 @@ def all_finite_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).isfinite().all()
 
 
-def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` (device work) captured once in a CUDA graph: each call replays it and returns
-    what it returned then (a bool tensor is read, which waits for it)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm-up, off the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+def replayed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    """``fn`` (device work) captured once as a CUDA graph (``rollgen.refit.graphed``): each call
+    replays it and returns what it returned then (a bool tensor is read, which waits for it)."""
+    graph, out = graphed(fn, device)
 
     def replay() -> Any:
         graph.replay()
@@ -102,7 +95,7 @@ def main() -> None:
         "tensor to tensor, fused": median_ms(partial(torch._foreach_copy_, params, tensors), r),
         "tensor to tensor, per tensor": median_ms(partial(per_tensor, params, tensors), r),
         "tensor to tensor, per tensor, replayed as one CUDA graph": median_ms(
-            graphed(partial(per_tensor, params, tensors)), r
+            replayed(partial(per_tensor, params, tensors), device), r
         ),
         "check: fused 2-norm (nonfinite)": median_ms(partial(nonfinite, named), r),
         "check: fused 2-norms alone": median_ms(
@@ -111,10 +104,10 @@ def main() -> None:
         "check: a sum per tensor": median_ms(partial(sums_finite, tensors), r),
         "check: a sum per tensor over 1 MiB, fused norms below": median_ms(partial(split_finite, tensors), r),
         "check: a sum per tensor, replayed as one CUDA graph": median_ms(
-            graphed(partial(all_finite_sums, tensors)), r
+            replayed(partial(all_finite_sums, tensors), device), r
         ),
         "check: fused 2-norms, replayed as one CUDA graph": median_ms(
-            graphed(partial(all_finite_norms, tensors)), r
+            replayed(partial(all_finite_norms, tensors), device), r
         ),
         "check: one sum of the packed bytes": median_ms(
             lambda: bool(torch.isfinite(flat.view(torch.bfloat16).sum(dtype=torch.float32))), r

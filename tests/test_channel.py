@@ -70,6 +70,7 @@ def test_a_channel_whose_rank_process_ended_is_a_dead_worker() -> None:
     with pytest.raises(WorkerError, match="rollgen-vllm-dp1 rank 0: its refit channel closed") as info:
         ch.result()
     assert info.value.died
+    ch.close()
 
 
 def test_channels_open_to_every_rank_or_to_none() -> None:
@@ -107,15 +108,21 @@ class Rank:
         return True
 
 
+def driver_of(channels: list[list[Channel]], pickled: Any = None) -> SimpleNamespace:
+    """The part of a ``RayGeneration`` its ``_send_over_channels`` uses."""
+    dumps = pickled or (lambda bucket, i: pickle.dumps(bucket))
+    return SimpleNamespace(_held=[{} for _ in channels], _pickled=dumps, _channels=channels, name="test")
+
+
 def test_the_driver_sends_a_kept_layout_by_name_once_each_engine_holds_it() -> None:
     """Two engines of two ranks: the first refit of a layout carries its pickle, later ones the
     name alone; a rank that lost the layout gets the pickle next; an error on one rank is raised
-    once every rank answered, and leaves what the engines hold as it was."""
+    once every rank answered, so that the channels stay in step (the next refit's answers are
+    its own)."""
     ranks = [Rank() for _ in range(4)]
     channels = [[serve(r.handle) for r in ranks[:2]], [serve(r.handle) for r in ranks[2:]]]
-    metas = (TensorMeta("w", (2,), "float32"),)
-    bucket = WeightBucket("tensors", metas, [torch.ones(2)], layout="L")
-    driver = SimpleNamespace(_held=[{}, {}], _pickled=lambda b, i: pickle.dumps(b), name="test")
+    bucket = WeightBucket("tensors", (TensorMeta("w", (2,), "float32"),), [torch.ones(2)], layout="L")
+    driver = driver_of(channels)
 
     def refit() -> None:
         RayGeneration._send_over_channels(driver, bucket, channels)  # type: ignore[arg-type]
@@ -130,6 +137,64 @@ def test_the_driver_sends_a_kept_layout_by_name_once_each_engine_holds_it() -> N
     ranks[0].fail = True
     with pytest.raises(RefitError, match="this rank's load failed"):
         refit()
-    assert [len(r.requests) for r in ranks] == [4, 4, 4, 5]  # every rank was asked, and answered
-    assert driver._held == [{"L": None}, {"L": None}]
+    ranks[0].fail = False
+    del ranks[3].kept["L"]
+    refit()  # answers in step: rank 3's miss is its own, and it gets the pickle
+    assert [r.requests[-1] for r in ranks] == [("L", False)] * 3 + [("L", True)]
+    assert ranks[3].requests[-2] == ("L", False) and driver._channels is channels
     channel.close(channels)
+
+
+def test_a_failure_before_or_while_sending_leaves_the_channels_in_step() -> None:
+    """A pickle that cannot be made fails the refit before any rank is asked; a channel that
+    closes while the driver sends (its engine died) ends the sending, every rank asked before it
+    answers, and the engine's death is what the refit raises, before another rank's error."""
+    ranks = [Rank() for _ in range(3)]
+    channels = [[serve(r.handle)] for r in ranks]
+    bucket = WeightBucket("tensors", (TensorMeta("w", (2,), "float32"),), [torch.ones(2)], layout="L")
+
+    def no_pickle(b: WeightBucket, i: int) -> bytes:
+        if i == 1:
+            raise RuntimeError("cannot export this buffer")
+        return pickle.dumps(b)
+
+    with pytest.raises(RuntimeError, match="cannot export"):
+        RayGeneration._send_over_channels(driver_of(channels, no_pickle), bucket, channels)  # type: ignore[arg-type]
+    assert all(r.requests == [] for r in ranks)
+    driver = driver_of(channels)
+    RayGeneration._send_over_channels(driver, bucket, channels)  # type: ignore[arg-type]
+    assert all(r.requests == [("L", True)] for r in ranks)
+    ranks[0].fail = True
+    channels[1][0].close()  # as if its engine's process had ended
+    with pytest.raises(WorkerError, match="engine rank 0: its refit channel closed") as died:
+        RayGeneration._send_over_channels(driver, bucket, channels)  # type: ignore[arg-type]
+    assert died.value.died
+    assert [len(r.requests) for r in ranks] == [2, 1, 1]  # rank 0, asked before, answered; not rank 2
+    ranks[0].fail = False
+    for ch in (channels[0][0], channels[2][0]):  # their next answers are their own
+        ch.send(("L", None))
+        assert ch.result() is True
+    channel.close(channels)
+
+
+def test_an_answer_that_cannot_be_pickled_is_a_worker_error() -> None:
+    ch = serve(lambda request: lambda: request)
+    ch.send(1)
+    with pytest.raises(WorkerError, match="its answer cannot be pickled") as info:
+        ch.result()
+    assert not info.value.died
+    ch.send(2)
+    with pytest.raises(WorkerError):
+        ch.result()  # still answering
+    ch.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_rank_thread_that_fails_before_it_accepts_leaves_no_channel() -> None:
+    """A rank's thread that fails (here: a GPU that is not there) closes its socket, and the
+    driver's connect fails at once instead of waiting on it."""
+    key = os.urandom(16)
+    good = ChannelServer(double, key, CPU)
+    failing = ChannelServer(double, key, torch.device("cuda", 99))
+    assert channel.connect([[good.address], [failing.address]], key, ["a", "b"]) == []
+    failing._thread.join()  # its error is reported within this test

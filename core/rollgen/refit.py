@@ -17,7 +17,7 @@ import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -217,13 +217,8 @@ class WeightBucket:
             "layout": self.layout,
         }
 
-    @property
-    def staged(self) -> bool:
-        """Whether this bucket is a kept layout's (``layout``)."""
-        return bool(self.layout)
-
     def for_receiver(self, payload: Mapping[str, IpcHandle | InPlaceViews]) -> WeightBucket:
-        """This staged bucket as one receiver gets it: with its own ``payload`` of handles."""
+        """This kept layout's bucket as one receiver gets it: with its own ``payload`` of handles."""
         return WeightBucket(self.transport, self.metas, payload, self.offsets, self.layout)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -468,19 +463,12 @@ class GraphedCheck:
 
     def __init__(self, named: Named) -> None:
         self._groups = list(_norm_groups(named).items())
-        self._graph = torch.cuda.CUDAGraph()
-        if not self._groups:
-            return
-        with torch.cuda.device(self._groups[0][0][0]), torch.no_grad():
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # a first run off the capture (lazy initialisation)
-                for (_, wide), group in self._groups:
-                    _norms(group, wide)
-            torch.cuda.current_stream().wait_stream(side)
-            with torch.cuda.graph(self._graph, capture_error_mode="thread_local"):
-                self._norms = [_norms(group, wide) for (_, wide), group in self._groups]
-                self._finite = torch.stack([n.isfinite().all() for n in self._norms]).all()
+        if self._groups:
+            self._graph, (self._norms, self._finite) = graphed(self._run, self._groups[0][0][0])
+
+    def _run(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        norms = [_norms(group, wide) for (_, wide), group in self._groups]
+        return norms, torch.stack([n.isfinite().all() for n in norms]).all()
 
     @torch.no_grad()
     def nonfinite(self) -> list[str]:
@@ -495,6 +483,27 @@ class GraphedCheck:
             for (_, group), norms in zip(self._groups, self._norms)
             for name in _exactly_nonfinite(group, norms)
         ]
+
+
+T = TypeVar("T")
+
+
+@torch.no_grad()
+def graphed(fn: Callable[[], T], device: torch.device) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``fn`` (work on GPU ``device``) captured as a CUDA graph, on a stream of its own after a
+    first run off the capture (lazy initialisation): the graph, which replays on the current
+    stream, and what ``fn`` returned in the capture (outputs each replay rewrites). The calling
+    thread keeps its stream when the capture fails."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            fn()
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                out = fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+    return graph, out
 
 
 def require_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -13,10 +13,12 @@ rank's traceback. A channel that closes means the rank's process ended."""
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import traceback
 import uuid
 from collections.abc import Callable
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -44,26 +46,32 @@ class ChannelServer:
         self._thread.start()
 
     def _serve(self, handle: Callable[[Any], Any], device: torch.device, threads: int) -> None:
-        torch.set_num_threads(threads)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        with self._listener, self._listener.accept() as conn:
-            while True:
-                try:
-                    request = conn.recv()
-                except (EOFError, OSError):  # the driver closed its end
-                    return
-                conn.send(_answer(handle, request))
+        with self._listener:  # a thread that fails closes its socket: the driver's connect fails
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            with self._listener.accept() as conn:
+                while True:
+                    try:
+                        request = pickle.loads(conn.recv_bytes())
+                    except (EOFError, OSError):  # the driver closed its end
+                        return
+                    conn.send_bytes(_answer(handle, request))
 
 
-def _answer(handle: Callable[[Any], Any], request: Any) -> tuple[Any, ...]:
-    """``handle(request)``'s outcome as the driver reads it (``Channel.result``)."""
+def _answer(handle: Callable[[Any], Any], request: Any) -> bytes:
+    """``handle(request)``'s outcome, pickled, as the driver reads it (``Channel.result``)."""
     try:
-        return ("ok", handle(request))
+        outcome: tuple[Any, ...] = ("ok", handle(request))
     except RollgenError as exc:
-        return ("raised", exc)
+        outcome = ("raised", exc)
     except Exception as exc:  # noqa: BLE001 - the rank's error goes to the driver, which raises it
-        return ("crashed", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        outcome = ("crashed", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+    try:
+        return pickle.dumps(outcome)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:  # an answer that cannot travel
+        return pickle.dumps(("crashed", f"its answer cannot be pickled ({exc})", traceback.format_exc()))
 
 
 class Channel:
@@ -76,7 +84,7 @@ class Channel:
     def send(self, request: Any) -> None:
         """Send a request (``result`` takes its answer)."""
         try:
-            self._conn.send(request)
+            self._conn.send_bytes(pickle.dumps(request))
         except OSError as exc:
             raise self._closed(exc) from None
 
@@ -84,7 +92,7 @@ class Channel:
         """The answer to the oldest request not yet answered: what the rank's handler returned,
         or what it raised."""
         try:
-            answer = self._conn.recv()
+            answer = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise self._closed(exc) from None
         if answer[0] == "ok":
@@ -107,14 +115,15 @@ class Channel:
 
 def connect(addresses: list[list[str]], authkey: bytes, names: list[str]) -> list[list[Channel]]:
     """A channel to each rank (``addresses``: each engine's ranks'), or none where one does not
-    connect (a rank on another machine, or in another network namespace)."""
+    connect (a rank on another machine, or in another network namespace: the threads of the
+    ranks not reached wait on their sockets for as long as their engines run)."""
     channels: list[list[Channel]] = []
     try:
         for ranks, name in zip(addresses, names, strict=True):
             channels.append([])
             for rank, address in enumerate(ranks):
                 channels[-1].append(Channel(address, authkey, f"{name} rank {rank}"))
-    except OSError as exc:
+    except (OSError, EOFError, AuthenticationError) as exc:
         logger.info("refits go through the engines' RPC: a refit channel did not connect (%s)", exc)
         close(channels)
         return []

@@ -177,6 +177,10 @@ class RayGeneration(BaseGeneration):
             self._dispatcher = SampleDispatcher(
                 self.group, [info["capacity"] for info in self.engine_info], self._streams.deliver
             )
+            #: Each engine rank's refit channel (none where the engines have none, or they do
+            #: not connect), and the kept layouts each engine holds (sent by name alone).
+            self._channels = self._open_channels()
+            self._held: list[dict[str, None]] = [{} for _ in range(self.dp_size)]
             on_failure.pop_all()
         #: Where ``refit`` packs over CUDA IPC, when every worker reports its GPUs; and its
         #: refits in place, where the backend has them.
@@ -186,10 +190,6 @@ class RayGeneration(BaseGeneration):
             else None
         )
         self._in_place = InPlaceSources() if self._staging is not None and self.refits_in_place else None
-        #: The engine ranks' refit channels, opened by the first refit (``_refit_channels``), and
-        #: the kept layouts each engine holds (a channel sends those by name alone).
-        self._channels: list[list[Channel]] | None = None
-        self._held: list[dict[str, None]] = [{} for _ in range(self.dp_size)]
         logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, self.engine_info[0])
 
     def make_plan(self, use_gpus: bool) -> EnginePlan:
@@ -249,12 +249,13 @@ class RayGeneration(BaseGeneration):
         self._send_bucket(bucket, reset_prefix=True)
 
     def _send_bucket(self, bucket: WeightBucket, reset_prefix: bool) -> None:
-        channels = None if reset_prefix else self._refit_channels()
-        if channels:
-            self._send_over_channels(bucket, channels)
+        if self._channels:
+            self._send_over_channels(bucket, self._channels)
+            if reset_prefix:
+                self._reset_prefix_cache()
             return
-        # one pickle per leader: shared-memory handles are made per receiver, and a staged
-        # bucket carries the leader's own exports of the staging buffers
+        # one pickle per leader: shared-memory handles are made per receiver, and a kept layout's
+        # bucket carries the leader's own exports; the prefix reset in the same call
         args = [
             (bucket.layout, self._pickled(bucket, i), bucket.transport, reset_prefix)
             for i in range(self.dp_size)
@@ -263,7 +264,7 @@ class RayGeneration(BaseGeneration):
         try:
             self.group.get(refs)
         finally:
-            if bucket.staged:  # after a failure, the next refit packs into buffers others may still read
+            if bucket.layout:  # after a failure, the next refit writes what others may still read
                 ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
         for held in self._held:
             _hold(held, bucket.layout)
@@ -272,43 +273,66 @@ class RayGeneration(BaseGeneration):
         """Every engine rank loads ``bucket`` over its refit channel: a kept layout its engine
         holds by name alone, else with its pickle (one per rank: shared-memory handles open once
         per receiver), which a rank that no longer holds the layout gets next. Every rank
-        answers before an error is raised (no rank still reads a staging buffer that the next
-        refit packs again)."""
+        answers before an error is raised (no rank still reads what the next refit writes), an
+        engine's death first; a failure that leaves answers unread closes the channels (later
+        refits go through the actors)."""
         layout, errors = bucket.layout, []
+        ranks = [(i, rank) for i, engine in enumerate(channels) for rank in engine]
 
-        def send(to: list[tuple[int, Channel]], keyed: bool) -> list[tuple[int, Channel]]:
-            for i, rank in to:
-                rank.send((layout, None if keyed and layout in self._held[i] else self._pickled(bucket, i)))
-            missed = []
-            for i, rank in to:
+        def exchange(
+            requests: list[tuple[int, Channel, tuple[str, bytes | None]]],
+        ) -> list[tuple[int, Channel]]:
+            sent, missed = [], []
+            try:
                 try:
-                    if not rank.result():
-                        missed.append((i, rank))
-                except RollgenError as exc:
+                    for i, rank, request in requests:
+                        rank.send(request)
+                        sent.append((i, rank))
+                except RollgenError as exc:  # a closed channel: the ranks sent to still answer
                     errors.append(exc)
+                for i, rank in sent:
+                    try:
+                        if not rank.result():
+                            missed.append((i, rank))
+                    except RollgenError as exc:
+                        errors.append(exc)
+            except BaseException:  # answers left unread: these channels are out of step
+                channel.close(channels)
+                self._channels = []
+                raise
             return missed
 
-        missed = send([(i, rank) for i, engine in enumerate(channels) for rank in engine], keyed=True)
+        requests = [
+            (i, rank, (layout, None if layout in self._held[i] else self._pickled(bucket, i)))
+            for i, rank in ranks
+        ]
+        missed = exchange(requests)
         if missed:  # ranks keep the last KEPT_UNPACKED layouts
-            send(missed, keyed=False)
+            exchange([(i, rank, (layout, self._pickled(bucket, i))) for i, rank in missed])
         if errors:
-            raise errors[0]
+            raise next((e for e in errors if isinstance(e, WorkerError) and e.died), errors[0])
         for held in self._held:
             _hold(held, layout)
 
-    def _refit_channels(self) -> list[list[Channel]]:
-        """The engine ranks' refit channels (``rollgen.distributed.channel``), opened by the first
-        refit; none where an engine has none or one does not connect (the RPC serves then)."""
-        if self._channels is None:
-            authkey = os.urandom(32)
+    def _open_channels(self) -> list[list[Channel]]:
+        """A refit channel to every engine rank (``rollgen.distributed.channel``), where every
+        engine has them and they connect; else none (buckets go through the actors)."""
+        authkey = os.urandom(32)
+        try:
             addresses = self.group.call_all(EngineWorker.open_channels, authkey)
-            self._channels = channel.connect(addresses, authkey, self.group.names) if all(addresses) else []
-        return self._channels
+        except WorkerError as exc:
+            if exc.died:
+                raise
+            logger.warning(
+                "%s: refits go through the engines' actors: an engine opened no channel: %s", self.name, exc
+            )
+            return []
+        return channel.connect(addresses, authkey, self.group.names) if all(addresses) else []
 
     def _pickled(self, bucket: WeightBucket, worker: int) -> bytes:
-        if bucket.staged and self._in_place is not None and self._in_place.holds(bucket):
+        if bucket.layout and self._in_place is not None and self._in_place.holds(bucket):
             return self._in_place.pickled(worker)
-        if bucket.staged and self._staging is not None:
+        if bucket.layout and self._staging is not None:
             return self._staging.pickled(bucket, self.engine_info[worker]["devices"], worker)
         return pickle.dumps(bucket)
 

@@ -162,26 +162,21 @@ class EngineWorker(ABC):
             request.input_ids, request.input_lengths, tokens, logprobs, self.spec.pad_token_id
         )
 
-    def apply_bucket(
-        self, layout: str, data: bytes | None, transport: str, reset_prefix: bool = False
-    ) -> bool:
-        """Load one validated ``WeightBucket`` of ``transport``, sent as ``(layout, data)``
-        (``refit.unpack_request``: ``data`` its pickle, one per worker, as shared-memory handles
-        open once per receiver and staged CUDA IPC buffers are exported for each; None for a
-        kept layout); ``reset_prefix``: then drop every cached prefix (an update's last bucket:
-        one round trip for both). False, having loaded nothing: the layout is not held here,
-        send its pickle."""
-        if not self._load_request(layout, data, transport):
-            return False
+    def apply_bucket(self, layout: str, data: bytes, transport: str, reset_prefix: bool = False) -> None:
+        """Load one pickled, validated ``WeightBucket`` of ``transport`` (one pickle per worker:
+        shared-memory handles open once per receiver, and a kept layout's bucket carries this
+        worker's own exports; ``layout``: its layout, which the worker may keep,
+        ``refit.unpack_request``); ``reset_prefix``: then drop every cached prefix (an update's
+        last bucket: one round trip for both)."""
+        self._load_request(layout, data, transport)
         if reset_prefix:
             self._reset_prefix_cache()
-        return True
 
     def open_channels(self, authkey: bytes) -> list[str]:
         """The address of a refit channel to each of this engine's ranks, which loads what
-        ``apply_bucket`` loads without the Ray call and the engine's RPC
-        (``rollgen.distributed.channel``; ``authkey`` authenticates the driver); empty where the
-        engine has none."""
+        ``apply_bucket`` loads without the Ray call and the engine's RPC, and a kept layout by
+        name alone (``rollgen.distributed.channel``; ``authkey`` authenticates the driver); empty
+        where the engine has none."""
         return self._open_channels(authkey)
 
     def release_staged(self, keys: list[str]) -> None:
@@ -311,14 +306,10 @@ class EngineWorker(ABC):
     def _load_bucket(self, bucket: WeightBucket) -> None:
         """Load a validated bucket of full (unsharded) HF-named tensors into every rank."""
 
-    def _load_request(self, layout: str, data: bytes | None, transport: str) -> bool:
-        """Load a bucket sent as ``(layout, data)`` (``apply_bucket``); engines whose ranks can
-        take the pickle as it is pass it on, engines that keep layouts may load a kept one.
-        Here: the pickle, loaded through ``_load_bucket``."""
-        if data is None:
-            return False
+    def _load_request(self, layout: str, data: bytes, transport: str) -> None:
+        """Load a pickled bucket of ``layout`` (``apply_bucket``): here through ``_load_bucket``;
+        engines whose ranks can take the pickle as it is pass it on (and may keep the layout)."""
         self._load_bucket(pickle.loads(data).resolve())
-        return True
 
     def _open_channels(self, authkey: bytes) -> list[str]:
         """Open a refit channel to each rank (``open_channels``); none here."""

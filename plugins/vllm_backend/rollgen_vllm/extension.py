@@ -32,17 +32,15 @@ class RollgenWorkerExtension:
     """Methods reached through ``LLM.collective_rpc``; ``self`` is a vLLM worker."""
 
     @returns_errors
-    def rollgen_load_bucket(self, layout: str, per_rank: list[bytes] | None, replay: bool) -> bool:
-        """Load one bucket of HF-named full tensors, sent as ``(layout, per_rank[rank])``
-        (``refit.unpack_request``; ``per_rank`` None for a kept layout); each rank keeps its own
-        shard. False, having loaded nothing: the layout is not held here."""
-        return self.rollgen_load_request(
-            layout, None if per_rank is None else per_rank[self.rollgen_rank], replay
-        )
+    def rollgen_load_bucket(self, layout: str, per_rank: list[bytes], replay: bool) -> None:
+        """Load one pickled bucket of HF-named full tensors (``per_rank[rank]``) of ``layout``
+        (``refit.unpack_request``); each rank keeps its own shard."""
+        self.rollgen_load_request(layout, per_rank[self.rollgen_rank], replay)
 
     def rollgen_load_request(self, layout: str, data: bytes | None, replay: bool) -> bool:
-        """Load this rank's bucket sent as ``(layout, data)`` (what ``rollgen_load_bucket`` and
-        this rank's refit channel take); False: the layout is not held here."""
+        """Load this rank's bucket sent as ``(layout, data)``: its pickle, or (over this rank's
+        refit channel) None for a kept layout; False, having loaded nothing: the layout is not
+        held here."""
         start = time.perf_counter()
         unpacked = self.rollgen_unpack(layout, data)
         if unpacked is None:

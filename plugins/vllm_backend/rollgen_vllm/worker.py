@@ -181,15 +181,17 @@ class VllmWorker(EngineWorker):
         # one pickle per TP rank: shared-memory handles open once each
         self._load_per_rank("", [pickle.dumps(bucket) for _ in range(self.spec.tensor_parallel_size)])
 
-    def _load_request(self, layout: str, data: bytes | None, transport: str) -> bool:
+    def _load_request(self, layout: str, data: bytes, transport: str) -> None:
         if transport != "cuda_ipc":
-            return super()._load_request(layout, data, transport)
+            super()._load_request(layout, data, transport)
+            return
         # handles of GPU buffers, not memory: every rank takes the driver's pickle as it is
-        return self._load_per_rank(layout, None if data is None else [data] * self.spec.tensor_parallel_size)
+        self._load_per_rank(layout, [data] * self.spec.tensor_parallel_size)
 
-    def _load_per_rank(self, layout: str, per_rank: list[bytes] | None) -> bool:
-        replay = self.spec.engine["replay_refit"]
-        return all(self._rpc(RollgenWorkerExtension.rollgen_load_bucket, layout, per_rank, replay))
+    def _load_per_rank(self, layout: str, per_rank: list[bytes]) -> None:
+        self._rpc(
+            RollgenWorkerExtension.rollgen_load_bucket, layout, per_rank, self.spec.engine["replay_refit"]
+        )
 
     def _open_channels(self, authkey: bytes) -> list[str]:
         replay = self.spec.engine["replay_refit"]
