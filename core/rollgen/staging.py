@@ -107,7 +107,9 @@ class RefitStaging:
         offsets = flat_offsets(m.nbytes for m in metas)
         targets = ipc_targets([t for _, t in named], list(self._buffers)) if named else []
         buffers = [self._buffers[device_uuid(d)] for d in targets] or list(self._buffers.values())
-        bucket = WeightBucket("cuda_ipc", metas, dict.fromkeys(self._buffers), offsets, uuid.uuid4().hex)
+        bucket = WeightBucket(
+            "cuda_ipc", metas, dict.fromkeys(self._buffers), offsets, layout=uuid.uuid4().hex
+        )
         if len(self._layouts) >= KEPT_LAYOUTS:  # the oldest goes (rotating partial refits)
             old = self._layouts.pop(next(iter(self._layouts)))
             self._pickles = {k: v for k, v in self._pickles.items() if k[0] != id(old.bucket)}

@@ -1,6 +1,6 @@
 """Refit channels: the driver hands each engine rank its refit buckets over a local socket of
 its own, past the Ray call to the engine's actor and the engine's RPC to its ranks (together
-2.3–2.7 ms a call on an H200 host, against tens of microseconds here).
+2.7 ms a round trip on an H200 host, against 0.09 ms over a channel).
 
 A rank opens a ``ChannelServer`` (a thread that serves one connection) and returns its address;
 the driver connects a ``Channel`` to it. Sockets are Unix sockets in the abstract namespace,
@@ -55,9 +55,10 @@ class ChannelServer:
                 while True:
                     try:
                         request = pickle.loads(conn.recv_bytes())
+                        answer = _answer(handle, request)
+                        conn.send_bytes(answer)
                     except (EOFError, OSError):  # the driver closed its end
                         return
-                    conn.send_bytes(_answer(handle, request))
 
 
 def _answer(handle: Callable[[Any], Any], request: Any) -> bytes:
