@@ -3,8 +3,14 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import settings
 
 from rollgen.testing.tiny_model import tiny_model_dir
+
+# Property tests must not depend on the machine's load or on luck: no deadline, and the same
+# examples in every run.
+settings.register_profile("rollgen", deadline=None, derandomize=True)
+settings.load_profile("rollgen")
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ def make(batch: int, width: int) -> BatchedDataDict:
     )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(batch=st.integers(0, 40), width=st.integers(1, 6), shards=st.integers(1, 9))
 def test_uneven_shard_then_merge_is_identity(batch: int, width: int, shards: int) -> None:
     data = make(batch, width)
@@ -36,7 +36,7 @@ def test_even_sharding_is_enforced_unless_allowed() -> None:
         make(5, 2).shard_by_batch_size(2)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(widths=st.lists(st.integers(0, 7), min_size=1, max_size=5), pad=st.integers(-3, 9))
 def test_merge_pads_each_key_with_its_value(widths: list[int], pad: int) -> None:
     batches = [{"out": torch.full((2, w), 100 + i), "lp": torch.ones((2, w))} for i, w in enumerate(widths)]

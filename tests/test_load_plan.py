@@ -176,7 +176,7 @@ def test_writing_one_place_twice_gets_no_plan() -> None:
     assert target.tolist() == [3.0] * 4
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25)
 @given(st.lists(st.tuples(st.integers(1, 5), st.integers(1, 5), st.booleans()), min_size=1, max_size=6))
 def test_replay_matches_any_slicing(layout: list[tuple[int, int, bool]]) -> None:
     """Tensors of random shapes, each copied (whole or transposed) into its own rows of one flat

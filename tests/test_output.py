@@ -21,7 +21,7 @@ def loop_reference(ids, lengths, gens, lps, pad):
     return out, lp
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=80)
 @given(data=st.data())
 def test_assembly_matches_loop(data) -> None:
     batch = data.draw(st.integers(1, 6))
