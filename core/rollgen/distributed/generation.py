@@ -178,7 +178,8 @@ class RayGeneration(BaseGeneration):
                 self.group, [info["capacity"] for info in self.engine_info], self._streams.deliver
             )
             #: Each engine rank's refit channel (none where the engines have none, or they do
-            #: not connect), and the kept layouts each engine holds (sent by name alone).
+            #: not connect), and the kept layouts each engine loaded over them (sent by name
+            #: alone from then on).
             self._channels = self._open_channels()
             self._held: list[dict[str, None]] = [{} for _ in range(self.dp_size)]
             on_failure.pop_all()
@@ -266,8 +267,6 @@ class RayGeneration(BaseGeneration):
         finally:
             if bucket.layout:  # after a failure, the next refit writes what others may still read
                 ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
-        for held in self._held:
-            _hold(held, bucket.layout)
 
     def _send_over_channels(self, bucket: WeightBucket, channels: list[list[Channel]]) -> None:
         """Every engine rank loads ``bucket`` over its refit channel: a kept layout its engine
