@@ -6,6 +6,9 @@ rank's answer before an error). Real vLLM refits over them in test_vllm.py and t
 import multiprocessing
 import os
 import pickle
+import socket
+import subprocess
+import sys
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -13,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from rollgen import auth
 from rollgen.distributed import channel
 from rollgen.distributed.channel import Channel, ChannelServer
 from rollgen.distributed.generation import RayGeneration
@@ -198,3 +202,76 @@ def test_a_rank_thread_that_fails_before_it_accepts_leaves_no_channel() -> None:
     failing = ChannelServer(double, key, torch.device("cuda", 99))
     assert channel.connect([[good.address], [failing.address]], key, ["a", "b"]) == []
     failing._thread.join()  # its error is reported within this test
+
+
+# ---- who may talk to a rank: same user, holding the key; nobody else holds anything up ------------
+
+
+def _connect_within(address: str, key: bytes, seconds: float = 60.0) -> list[list[Channel]]:
+    """``channel.connect`` from a thread, failing the test (not hanging it) if it never returns."""
+    opened: list[list[list[Channel]]] = []
+    thread = threading.Thread(
+        target=lambda: opened.append(channel.connect([[address]], key, ["a"])), daemon=True
+    )
+    thread.start()
+    thread.join(seconds)
+    assert opened, f"the driver's connect did not return within {seconds} s"
+    return opened[0]
+
+
+def test_a_silent_client_holds_up_neither_the_driver_nor_the_rank() -> None:
+    key = os.urandom(16)
+    server = ChannelServer(double, key, CPU)
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(server.address)  # connects first, then never says a word
+    opened = _connect_within(server.address, key)
+    assert len(opened) == 1
+    opened[0][0].send(21)
+    assert opened[0][0].result() == 42
+    channel.close(opened)
+    silent.close()
+
+
+def test_a_client_that_never_authenticates_is_dropped_after_the_handshake_timeout(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(channel, "HANDSHAKE_TIMEOUT_S", 0.2)
+    server = ChannelServer(double, os.urandom(16), CPU)
+    silent = socket.socket(socket.AF_UNIX)
+    silent.settimeout(60)
+    silent.connect(server.address)
+    assert len(silent.recv(64)) == auth.NONCE_BYTES  # the rank's challenge, then nothing until it drops us
+    assert silent.recv(64) == b""
+    refused = "refused a connection: the peer did not authenticate within 0.2 s"
+    assert any(refused in r.message for r in caplog.records)
+
+
+def test_a_wrong_key_is_refused_at_warning_and_the_rank_keeps_serving(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    key = os.urandom(16)
+    server = ChannelServer(double, key, CPU)
+    assert _connect_within(server.address, os.urandom(16)) == []
+    warnings = [r for r in caplog.records if r.levelname == "WARNING" and r.name == channel.__name__]
+    assert any("failed its authentication" in r.message for r in warnings)
+    opened = _connect_within(server.address, key)
+    opened[0][0].send(1)
+    assert opened[0][0].result() == 2
+    channel.close(opened)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root, to connect as another user")
+def test_another_user_is_refused_even_with_the_key() -> None:
+    key = os.urandom(16)
+    server = ChannelServer(double, key, CPU)
+    as_nobody = (
+        "import os, socket, sys; os.setgid(65534); os.setuid(65534); s = socket.socket(socket.AF_UNIX); "
+        "s.connect('\\0' + sys.argv[1]); s.settimeout(30); print(len(s.recv(64)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", as_nobody, server.address[1:]], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.strip() == "0", done.stderr  # dropped before any challenge
+    opened = _connect_within(server.address, key)
+    assert len(opened) == 1
+    channel.close(opened)

@@ -4,13 +4,22 @@ any byte is applied, and a load that fails on one rank reaching every rank."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import socket
+import subprocess
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from rollgen import auth
 from rollgen.errors import RefitError
 from rollgen.refit import WeightSpec
 from rollgen.weight_sync import SyncGroup, SyncGroupSpec, WeightSender, receive
@@ -161,8 +170,154 @@ def test_an_nccl_group_with_two_ranks_on_one_gpu_is_refused_before_anyone_joins(
     from rollgen_hf.generation import HfGeneration
 
     monkeypatch.setattr(HfGeneration, "engine_devices", property(lambda self: ("GPU-a", "GPU-a")))
+    monkeypatch.setattr(HfGeneration, "sync_device", property(lambda self: torch.device("cuda", 0)))
     with rollgen.create_generation(hf_config) as gen:
         spec = SyncGroupSpec("127.0.0.1", 29999, 2, "nccl", 5.0)
         with pytest.raises(RefitError, match=r"GPU\(s\) \['GPU-a'\]"):
             gen.init_weight_sync(spec)
         assert gen.weight_sync is None
+
+
+# ---- who may join: the trust model of a group (the store, its secret, messages as data) -----------
+
+ROGUE = Path(__file__).with_name("rogue_rank.py")
+
+
+@contextlib.contextmanager
+def rogue_joined(spec: SyncGroupSpec, rank: int, marker: Path) -> Iterator[subprocess.Popen]:
+    """A process without the secret (``rogue_rank.py``) that has started joining ``spec``'s
+    group as ``rank`` before any member."""
+    args = [spec.address, str(spec.port), str(spec.world_size), str(rank), str(marker)]
+    proc = subprocess.Popen([sys.executable, str(ROGUE), *args])
+    try:
+        watch = dist.TCPStore(spec.address, spec.port, is_master=False, timeout=timedelta(seconds=60))
+        watch.wait(["rogue-ready"])
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_rogue_that_joins_as_an_engine_rank_is_refused_and_nothing_it_sends_is_run(tmp_path: Path) -> None:
+    sender = WeightSender(SyncGroupSpec("127.0.0.1", 0, 2, "gloo", timeout_s=20))
+    marker = tmp_path / "payload-ran"
+    with rogue_joined(sender.spec, 1, marker):
+        with pytest.raises(RefitError, match=r"rank\(s\) \[1\] did not prove they hold the group's secret"):
+            sender.connect()
+    assert not marker.exists()
+
+
+def test_a_rogue_in_the_senders_place_is_refused_by_the_engine_which_keeps_serving(
+    hf_config: dict, tmp_path: Path
+) -> None:
+    import rollgen
+
+    marker = tmp_path / "payload-ran"
+    with rollgen.create_generation(hf_config) as gen:
+        sender = WeightSender(gen.weight_sync_spec("127.0.0.1", timeout_s=20))
+        with rogue_joined(sender.spec, 0, marker):
+            with pytest.raises(
+                RefitError, match=r"rank\(s\) \[0\] did not prove they hold the group's secret"
+            ):
+                gen.init_weight_sync(sender.spec)
+        assert not marker.exists() and gen.weight_sync is None
+        ids = torch.tensor([[5, 6, 7]])
+        assert (
+            gen.generate({"input_ids": ids, "input_lengths": torch.tensor([3])})["output_ids"].shape[0] == 1
+        )
+
+
+def test_the_store_listens_on_the_specs_address_only() -> None:
+    sender = WeightSender(SyncGroupSpec("127.0.0.1", 0, 2, timeout_s=5))
+    listening = subprocess.run(
+        ["ss", "-ltnH", f"sport = :{sender.spec.port}"], capture_output=True, text=True
+    )
+    addresses = {line.split()[3].rsplit(":", 1)[0] for line in listening.stdout.splitlines()}
+    assert addresses == {"127.0.0.1"}
+
+
+def test_a_spec_of_another_secret_or_size_fails_at_once_and_says_which() -> None:
+    sender = WeightSender(SyncGroupSpec("127.0.0.1", 0, 2, timeout_s=20))
+    with pytest.raises(RefitError, match="its secret differs"):
+        SyncGroup(dataclasses.replace(sender.spec, secret=auth.new_secret()), 1)
+    with pytest.raises(RefitError, match="has 2 ranks, this spec 3"):
+        SyncGroup(dataclasses.replace(sender.spec, world_size=3), 1)
+
+
+def test_the_secret_stays_out_of_reprs_and_each_spec_has_its_own() -> None:
+    a, b = SyncGroupSpec("127.0.0.1", 0, 2), SyncGroupSpec("127.0.0.1", 0, 2)
+    assert a.secret != b.secret and a.secret not in repr(a)
+
+
+# ---- what a failing group raises: typed, bounded, stale only when part of an update arrived --------
+
+
+def test_bad_specs_are_refit_errors_naming_every_problem() -> None:
+    with pytest.raises(RefitError) as info:
+        SyncGroupSpec("", 70000, 2, "gloo", timeout_s=-1, secret="short")
+    assert [p.split()[0] for p in info.value.problems] == ["port", "timeout_s", "address", "secret:"]
+
+
+def test_a_port_in_use_is_a_refit_error() -> None:
+    first = WeightSender(SyncGroupSpec("127.0.0.1", 0, 2))
+    with pytest.raises(
+        RefitError, match=f"cannot host the weight-sync group's store at 127.0.0.1:{first.spec.port}"
+    ):
+        WeightSender(dataclasses.replace(first.spec))
+
+
+def test_a_sender_no_engine_joins_is_a_refit_error_after_its_timeout() -> None:
+    sender = WeightSender(SyncGroupSpec("127.0.0.1", 0, 2, timeout_s=2))
+    with pytest.raises(RefitError, match="No engine rank joined"):
+        sender.connect()
+
+
+def test_engines_that_never_receive_fail_the_send_typed_and_unstale() -> None:
+    sender = WeightSender(SyncGroupSpec("127.0.0.1", 0, 2, timeout_s=3))
+    joined = threading.Thread(target=lambda: SyncGroup(sender.spec, 1))
+    joined.start()
+    sender.connect()
+    joined.join()
+    with pytest.raises(RefitError, match="broke while sharing a message") as info:
+        sender.send(source())
+    assert not info.value.stale
+    with pytest.raises(RefitError, match="broke earlier"):
+        sender.send(source())
+
+
+def test_an_engine_whose_sender_never_sends_is_not_stale_and_keeps_serving(hf_config: dict) -> None:
+    import rollgen
+
+    with rollgen.create_generation(hf_config) as gen:
+        sender = WeightSender(gen.weight_sync_spec("127.0.0.1", timeout_s=3))
+        connecting = threading.Thread(target=sender.connect)
+        connecting.start()
+        gen.init_weight_sync(sender.spec)
+        connecting.join()
+        with pytest.raises(RefitError, match="nothing of this update was applied") as info:
+            gen.update_weights_from_collective()
+        assert not info.value.stale
+        ids = torch.tensor([[5, 6, 7]])
+        gen.generate({"input_ids": ids, "input_lengths": torch.tensor([3])})  # not stale
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "no-such-host.invalid"])
+def test_an_engine_that_cannot_reach_the_store_is_a_refit_error(hf_config: dict, address: str) -> None:
+    import rollgen
+
+    with rollgen.create_generation(hf_config) as gen:
+        closed = socket.create_server(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        closed.close()
+        spec = dataclasses.replace(gen.weight_sync_spec(address, timeout_s=2), port=port)
+        with pytest.raises(RefitError, match="could not join the group"):
+            gen.init_weight_sync(spec)
+        assert gen.weight_sync is None
+
+
+def test_nccl_on_engines_without_gpus_is_refused_before_anyone_joins(hf_config: dict) -> None:
+    import rollgen
+
+    with rollgen.create_generation(hf_config) as gen:
+        with pytest.raises(RefitError, match="needs the engines on CUDA GPUs"):
+            gen.init_weight_sync(SyncGroupSpec("127.0.0.1", 29999, 2, "nccl", 5.0))

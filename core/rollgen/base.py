@@ -666,6 +666,11 @@ class BaseGeneration(ABC):
     def _check_nccl_devices(self, local_sender: bool) -> None:
         """RefitError unless every rank of an NCCL group would have a GPU of its own (NCCL
         refuses, or hangs on, two ranks of one group on one GPU)."""
+        if self.sync_device.type != "cuda":
+            raise RefitError(
+                f"{self.name}: an NCCL weight-sync group needs the engines on CUDA GPUs; they receive on "
+                f"{self.sync_device}: use backend='gloo' (weight_sync_spec picks it for you)"
+            )
         devices = list(self.engine_devices)
         if local_sender and torch.cuda.is_available():
             devices.append(refit_mod.device_uuid())

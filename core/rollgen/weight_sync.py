@@ -5,32 +5,46 @@ engine's), built from a TCP store at the address and port the trainer gives: glo
 NCCL on CUDA. The trainer's sending rank is rank 0 and hosts the store (``WeightSender``);
 engine ranks are 1..N (every tensor-parallel rank of every data-parallel replica).
 
+Who is a member: a rank that holds the spec's secret. Before anything else crosses the group,
+every rank proves it does (a tag over fresh nonces of every rank); manifests and errors travel
+as JSON data, each with a tag over its place in the group's sequence, so a non-member can
+neither read the weights' layout nor forge a message, and nothing is unpickled. The weights
+themselves cross gloo or NCCL in plaintext, unauthenticated: the group's address belongs on a
+network only the trainer and the engines reach.
+
 One update runs in three steps, on every rank at once:
-1. the sender broadcasts a manifest: each bucket's tensor names, shapes, dtypes and offsets,
-   whether the update is partial, and the sender's own rejection (NaN or infinite values);
+1. the sender broadcasts a manifest: each bucket's tensor names, shapes and dtypes, whether
+   the update is partial, and the sender's own rejection (NaN or infinite values);
 2. every engine rank checks the manifest against the served model; if one rejects it, all
    ranks (the sender too) raise its ``RefitError`` and nothing was applied;
 3. the sender broadcasts each bucket as one flat buffer (packing the next while the last is
    on the wire); each engine rank receives the next while it loads the last. A rank that fails
    to load keeps receiving (the broadcast needs every rank) and its error, marked ``stale``,
    reaches every rank at the end.
+A collective that fails (a rank gone, a timeout) breaks the group: a ``RefitError``, ``stale``
+only when it came during step 3.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import ipaddress
+import json
 import logging
-import pickle
+import math
+import socket
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from rollgen.errors import RefitError, RollgenError
+from rollgen import auth
+from rollgen.errors import RefitError, _rebuild
 from rollgen.refit import (
     TensorMeta,
     WeightSpec,
@@ -51,11 +65,19 @@ logger = logging.getLogger(__name__)
 SyncBackend = Literal["gloo", "nccl"]
 Bucket = tuple[tuple[TensorMeta, ...], tuple[int, ...]]
 
+#: The most a manifest or an error message may take on the wire (a rank allocates no more).
+MAX_MESSAGE_BYTES = 64 << 20
+_PREFIX = "rollgen-weight-sync"
+
 
 @dataclass(frozen=True)
 class SyncGroupSpec:
     """Where a weight-sync group meets: the sender (rank 0) hosts a TCP store at
-    ``address:port``; ``world_size`` is 1 + the engine ranks."""
+    ``address:port``, listening on that address only; ``world_size`` is 1 + the engine ranks.
+    ``secret`` (fresh for each spec unless given) is what makes a rank a member: every rank
+    proves it holds it before anything is sent, and every manifest and error carries its tag.
+    Hand the spec itself on (the trainer's process to the generation's): never the secret over
+    the group's own network in the clear."""
 
     address: str
     port: int
@@ -63,29 +85,41 @@ class SyncGroupSpec:
     backend: SyncBackend = "gloo"
     #: How long a rank waits for the others (to join, or during a broadcast).
     timeout_s: float = 600.0
+    secret: str = field(default_factory=auth.new_secret, repr=False)
 
     def __post_init__(self) -> None:
+        problems = []
         if self.backend not in ("gloo", "nccl"):
-            raise RefitError(f"weight-sync backend {self.backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
-        if self.world_size < 2:
-            raise RefitError(
-                f"a weight-sync group has a sender and at least one engine rank, got {self.world_size}"
+            problems.append(f"backend {self.backend!r}: use 'gloo' (CPU) or 'nccl' (CUDA)")
+        if not isinstance(self.world_size, int) or self.world_size < 2:
+            problems.append(
+                f"world_size {self.world_size!r}: a group has a sender and at least one engine rank (>= 2)"
             )
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            problems.append(f"port {self.port!r}: an integer in [0, 65535] (0: a free one)")
+        if (
+            not isinstance(self.timeout_s, (int, float))
+            or not math.isfinite(self.timeout_s)
+            or self.timeout_s <= 0
+        ):
+            problems.append(f"timeout_s {self.timeout_s!r}: a finite number of seconds > 0")
+        if not isinstance(self.address, str) or not self.address:
+            problems.append(f"address {self.address!r}: the sender's host name or IP address")
+        if not isinstance(self.secret, str) or len(self.secret) < 32:
+            problems.append("secret: at least 32 characters (leave it out: each spec makes a fresh one)")
+        if problems:
+            raise RefitError("invalid weight-sync group spec", problems)
 
-
-@dataclass(frozen=True)
-class Manifest:
-    """What the sender broadcasts before any weight (step 1)."""
-
-    buckets: tuple[Bucket, ...]
-    partial: bool
-    #: The sender's rejection of its own source; every rank raises it.
-    error: RefitError | None = None
+    @property
+    def where(self) -> str:
+        return f"{self.address}:{self.port}"
 
 
 class SyncGroup:
-    """One rank's end of a weight-sync group (joining blocks until every rank has joined). The
-    sender passes the store it hosts; the other ranks connect to it."""
+    """One rank's end of a weight-sync group (joining blocks until every rank has joined and
+    proved it holds the spec's secret). The sender passes the store it hosts; the other ranks
+    connect to it. Every failure of the group is a ``RefitError``; a group that failed once
+    (a timeout, a rank gone, a message that failed its check) is broken for good."""
 
     def __init__(
         self,
@@ -95,23 +129,106 @@ class SyncGroup:
         store: dist.TCPStore | None = None,
     ) -> None:
         self.spec, self.rank = spec, rank
-        timeout = timedelta(seconds=spec.timeout_s)
+        self._key = spec.secret.encode()
+        self._sent = 0  # messages shared so far: each message's tag covers its number
+        self._applying = False  # between an update's manifest and its end: failures are stale
+        self.broken: str | None = None
         if spec.backend == "gloo":
             device = torch.device("cpu")
         elif device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self._store = store or open_store(spec, host=False)
-        prefixed = dist.PrefixStore("rollgen-weight-sync", self._store)
-        if spec.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
-        else:
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, timeout)
-        # a first collective: every rank has joined when the constructor returns
-        self.highest(0)
+        try:
+            self._store = store or open_store(spec, host=False)
+            if rank != 0:
+                _check_record(self._store, spec)
+            prefixed = dist.PrefixStore(_PREFIX, self._store)
+            timeout = timedelta(seconds=spec.timeout_s)
+            if spec.backend == "nccl":
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
+            else:
+                gloo = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+                gloo._timeout = timeout
+                gloo._devices = [_gloo_device(spec, rank)]
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, gloo)
+        except (RuntimeError, OSError) as exc:  # torch's DistError and gloo's errors are RuntimeErrors
+            raise RefitError(
+                f"weight-sync rank {rank} could not join the group at {spec.where} within {spec.timeout_s} s "
+                f"({type(exc).__name__}: {exc}). "
+                + (
+                    "No engine rank joined: call the generation's init_weight_sync(sender.spec) while "
+                    "connect() runs"
+                    if rank == 0
+                    else "Is the trainer's WeightSender up, at that address, with this spec?"
+                )
+            ) from None
+        self._authenticate()
         logger.debug("weight-sync rank %d of %d joined (%s)", rank, spec.world_size, spec.backend)
+
+    def _authenticate(self) -> None:
+        """Every rank proves it holds the secret: a tag over its rank and every rank's fresh
+        nonce (no tag from an earlier group replays). Nothing else is sent before this passes."""
+        world = str(self.spec.world_size).encode()
+        nonces = b"".join(self._allgather(auth.nonce()))
+        tags = self._allgather(auth.tag(self._key, b"rank", str(self.rank).encode(), world, nonces))
+        strangers = [
+            r
+            for r, t in enumerate(tags)
+            if r != self.rank and not auth.verify(self._key, (b"rank", str(r).encode(), world, nonces), t)
+        ]
+        if strangers:
+            self.broken = f"rank(s) {strangers} did not authenticate"
+            raise RefitError(
+                f"weight-sync rank(s) {strangers} did not prove they hold the group's secret: a process "
+                f"other than the trainer's and the engines' joined the group at {self.spec.where}, or the "
+                "ranks were given different specs. Nothing was sent. Put the group's address on a network "
+                "only the trainer and the engines reach, and make a new group (a WeightSender and "
+                "init_weight_sync)"
+            )
+
+    def _allgather(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` (all of one length) on every rank."""
+        mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        out = [torch.empty_like(mine) for _ in range(self.spec.world_size)]
+        self.wait(self.pg.allgather([out], [mine]), "the ranks authenticated")
+        return [t.cpu().numpy().tobytes() for t in out]
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for a collective; its failure breaks the group, as a ``RefitError`` (``stale``
+        while an update is being applied)."""
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            raise RefitError(
+                f"weight-sync rank {self.rank}: the group at {self.spec.where} broke while {what} "
+                f"(within its {self.spec.timeout_s} s timeout, every rank must take part: {self.broken}); "
+                + (
+                    "the engines may hold part of the update. "
+                    if self._applying
+                    else "nothing of this update was applied. "
+                )
+                + "Make a new group (a WeightSender and init_weight_sync)",
+                stale=self._applying,
+            ) from None
+
+    @contextlib.contextmanager
+    def applying(self) -> Iterator[None]:
+        """While an update's buckets flow: a failure of the group leaves the engines stale."""
+        self._applying = True
+        try:
+            yield
+        finally:
+            self._applying = False
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise RefitError(
+                f"the weight-sync group at {self.spec.where} broke earlier ({self.broken}): make a new one "
+                "(a WeightSender and init_weight_sync)"
+            )
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0) -> Any:
         """Start a broadcast of ``tensor`` from ``root``; returns its work handle."""
@@ -124,36 +241,156 @@ class SyncGroup:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
-        self.pg.allreduce([t], options).wait()
+        self.wait(self.pg.allreduce([t], options), "the ranks compared outcomes")
         return int(t.item())
 
-    def share(self, data: bytes | None, root: int) -> bytes:
-        """``root``'s ``data`` on every rank."""
+    def share(self, message: Any, root: int) -> Any:
+        """``root``'s ``message`` (JSON data) on every rank, with a tag over it, its root and its
+        number in the group's sequence: a message no member sent fails here, before it is read."""
+        self._sent += 1
+        parts = (b"message", str(self._sent).encode(), str(root).encode())
+        data = None
+        if root == self.rank:
+            body = json.dumps(message).encode()
+            data = body + auth.tag(self._key, *parts, body)
         size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
-        self.broadcast(size, root).wait()
-        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.wait(self.broadcast(size, root), "sharing a message")
+        n = int(size.item())
+        if not auth.TAG_BYTES <= n <= MAX_MESSAGE_BYTES + auth.TAG_BYTES:
+            self.broken = f"a message of {n} bytes from rank {root}"
+            raise RefitError(
+                f"weight-sync rank {self.rank}: rank {root} sent a message of {n} bytes; refused"
+            )
+        buf = torch.empty(n, dtype=torch.uint8, device=self.device)
         if data is not None:
             buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        self.broadcast(buf, root).wait()
-        return buf.cpu().numpy().tobytes()
+        self.wait(self.broadcast(buf, root), "sharing a message")
+        raw = buf.cpu().numpy().tobytes()
+        body, mac = raw[: -auth.TAG_BYTES], raw[-auth.TAG_BYTES :]
+        if not auth.verify(self._key, (*parts, body), mac):
+            self.broken = f"a message from rank {root} failed its check"
+            raise RefitError(
+                f"weight-sync rank {self.rank}: a message from rank {root} failed its authentication (a "
+                "non-member on the group's network, or ranks out of step after an earlier failure); "
+                "nothing of it was read. Make a new group (a WeightSender and init_weight_sync)"
+            )
+        return json.loads(body)
 
-    def settle(self, error: RollgenError | None) -> None:
+    def settle(self, error: RefitError | None) -> None:
         """Every rank raises the error of the lowest rank that has one (none: return)."""
         worst = self.highest(self.spec.world_size - self.rank if error is not None else 0)
         if worst:
             root = self.spec.world_size - worst
-            raise pickle.loads(self.share(pickle.dumps(error) if root == self.rank else None, root))
+            raise _error_from(self.share(_error_data(error) if root == self.rank else None, root))
+
+
+def _error_data(error: RefitError | None) -> dict[str, Any]:
+    assert error is not None  # only the rank whose error it is sends it
+    return {"message": str(error), "problems": error.problems, "stale": error.stale}
+
+
+def _error_from(data: Any) -> RefitError:
+    """The ``RefitError`` another rank sent (as data: the only type that crosses the group)."""
+    try:
+        message, problems, stale = (
+            str(data["message"]),
+            [str(p) for p in data["problems"]],
+            bool(data["stale"]),
+        )
+    except (TypeError, KeyError) as exc:
+        return RefitError(f"a weight-sync rank sent an error this rank cannot read ({exc!r})", stale=True)
+    return _rebuild(RefitError, message, {"problems": problems, "stale": stale})  # type: ignore[return-value]
+
+
+def _manifest_data(buckets: tuple[Bucket, ...], partial: bool, error: RefitError | None) -> dict[str, Any]:
+    return {
+        "buckets": [[[m.name, list(m.shape), m.dtype] for m in metas] for metas, _ in buckets],
+        "partial": partial,
+        "error": None if error is None else _error_data(error),
+    }
+
+
+def _manifest_from(data: Any) -> tuple[tuple[Bucket, ...], bool]:
+    """The buckets and partiality of a manifest (its sender's error raised)."""
+    if data["error"] is not None:
+        raise _error_from(data["error"])
+    buckets = []
+    for bucket in data["buckets"]:
+        metas = tuple(TensorMeta(str(n), tuple(int(d) for d in shape), str(dt)) for n, shape, dt in bucket)
+        unknown = [m.dtype for m in metas if not isinstance(getattr(torch, m.dtype, None), torch.dtype)]
+        if unknown:
+            raise RefitError(f"the sender's manifest names dtypes torch does not have: {unknown}")
+        buckets.append((metas, flat_offsets(m.nbytes for m in metas)))  # (checked against the spec first)
+    return tuple(buckets), bool(data["partial"])
+
+
+def _record(spec: SyncGroupSpec) -> bytes:
+    return json.dumps({"world_size": spec.world_size}).encode()
+
+
+def _publish_record(store: dist.TCPStore, spec: SyncGroupSpec) -> None:
+    """What a joining rank checks first: the group's size, tagged with its secret."""
+    record = _record(spec)
+    store.set(f"{_PREFIX}/group", record + auth.tag(spec.secret.encode(), b"group", record))  # type: ignore[arg-type]
+
+
+def _check_record(store: dist.TCPStore, spec: SyncGroupSpec) -> None:
+    """The store is the sender's for this spec, for as many ranks: a mismatch fails here at
+    once, before any rank waits on another."""
+    stored = store.get(f"{_PREFIX}/group")
+    theirs, mac = stored[: -auth.TAG_BYTES], stored[-auth.TAG_BYTES :]
+    if not auth.verify(spec.secret.encode(), (b"group", theirs), mac):
+        raise RefitError(
+            f"the weight-sync group at {spec.where} is not this spec's (its secret differs): pass the "
+            "sender's own spec (rollgen.WeightSender(spec).spec) to init_weight_sync"
+        )
+    if theirs != _record(spec):
+        raise RefitError(
+            f"the weight-sync group at {spec.where} has {json.loads(theirs)['world_size']} ranks, this "
+            f"spec {spec.world_size}: make one spec with the generation's weight_sync_spec"
+        )
+
+
+def _gloo_device(spec: SyncGroupSpec, rank: int) -> Any:
+    """Where a gloo rank listens: the spec's address for the sender, and for every rank of a
+    group on this host's loopback; elsewhere gloo's default (the host name's address)."""
+    if rank == 0 or _is_loopback(spec.address):
+        return dist.ProcessGroupGloo.create_device(hostname=spec.address)
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
 
 
 def open_store(spec: SyncGroupSpec, host: bool) -> dist.TCPStore:
-    """The group's TCP store: hosted here (``host``; port 0: a free one), or connected to."""
+    """The group's TCP store: hosted here (``host``; port 0: a free one), listening on the
+    spec's address alone; or connected to."""
+    fd = None
+    if host:
+        try:
+            family = socket.getaddrinfo(spec.address, spec.port, type=socket.SOCK_STREAM)[0][0]
+            server = socket.create_server((spec.address, spec.port), family=family)
+        except OSError as exc:
+            raise RefitError(
+                f"cannot host the weight-sync group's store at {spec.where} ({exc}): give an address of this "
+                "machine and a free port (port 0: one is picked)"
+            ) from None
+        port = server.getsockname()[1]
+        fd = server.detach()  # the store's now
+    else:
+        port = spec.port
     return dist.TCPStore(
         spec.address,
-        spec.port,
+        port,
         spec.world_size,
         is_master=host,
         timeout=timedelta(seconds=spec.timeout_s),
         wait_for_workers=False,
+        master_listen_fd=fd,
     )
 
 
@@ -166,6 +403,7 @@ class WeightSender:
     def __init__(self, spec: SyncGroupSpec, device: torch.device | None = None) -> None:
         self._store = open_store(spec, host=True)
         self.spec = dataclasses.replace(spec, port=self._store.port)
+        _publish_record(self._store, self.spec)
         self._device = device
         self._group: SyncGroup | None = None
 
@@ -194,6 +432,8 @@ class WeightSender:
         RefitError if the source or the engines reject it (nothing applied), or if an engine
         failed while applying it (``stale``: the generation refuses to generate until a
         complete refit)."""
+        group = self.group
+        group.check_usable()
         groups: list[list[tuple[str, torch.Tensor]]] = []
         buckets: tuple[Bucket, ...] = ()
         try:
@@ -209,24 +449,30 @@ class WeightSender:
                 else RefitError(f"the trainer could not prepare the update: {exc!r}")
             )
             groups, buckets = [], ()
-        self.group.share(pickle.dumps(Manifest(buckets, partial, error)), root=0)
+        group.share(_manifest_data(buckets, partial, error), root=0)
         if error is not None:
             raise error
-        self.group.settle(None)  # the engines' checks of the manifest
+        group.settle(None)  # the engines' checks of the manifest
+        with group.applying():
+            self._send_buckets(group, groups, buckets)
+
+    def _send_buckets(
+        self, group: SyncGroup, groups: list[list[tuple[str, torch.Tensor]]], buckets: tuple[Bucket, ...]
+    ) -> None:
         failure: RefitError | None = None
         # two send buffers of the largest bucket, reused: fresh host memory per bucket costs
         # more in page faults than the copy into it
         largest = max((offsets[-1] for _, offsets in buckets), default=0) + 1
         pool: list[torch.Tensor] = []
         in_flight: deque[tuple[Any, torch.Tensor]] = deque()
-        for i, (group, (metas, offsets)) in enumerate(zip(groups, buckets)):
+        for i, (named, (metas, offsets)) in enumerate(zip(groups, buckets)):
             buf = None
             if failure is None:
                 try:  # the copy into the flat buffer casts
                     if len(pool) < 2:
-                        pool.append(torch.empty(largest, dtype=torch.uint8, device=self.group.device))
+                        pool.append(torch.empty(largest, dtype=torch.uint8, device=group.device))
                     buf = pool[i % 2][: offsets[-1] + 1]  # (its last byte: the mark)
-                    flatten([t for _, t in group], metas, offsets, self.group.device, out=buf)
+                    flatten([t for _, t in named], metas, offsets, group.device, out=buf)
                     buf[-1] = 0
                 except Exception as exc:  # noqa: BLE001 - every rank raises it at the end
                     logger.exception("weight-sync sender: packing bucket %d failed", i + 1)
@@ -236,13 +482,13 @@ class WeightSender:
                         stale=True,
                     )
             if buf is None:  # the receivers expect every bucket: send it marked as not to load
-                buf = torch.ones(offsets[-1] + 1, dtype=torch.uint8, device=self.group.device)
-            in_flight.append((self.group.broadcast(buf), buf))
+                buf = torch.ones(offsets[-1] + 1, dtype=torch.uint8, device=group.device)
+            in_flight.append((group.broadcast(buf), buf))
             if len(in_flight) > 1:  # at most two buckets beyond the model
-                _finish(*in_flight.popleft())
+                _finish(group, *in_flight.popleft())
         while in_flight:
-            _finish(*in_flight.popleft())
-        self.group.settle(failure)  # the engines' loads
+            _finish(group, *in_flight.popleft())
+        group.settle(failure)  # the engines' loads
 
     def close(self) -> None:
         """Leave the group (the engines' ends go with their generation)."""
@@ -255,13 +501,11 @@ def receive(
     """An engine rank's part of one update: check the manifest against ``spec``, then receive
     each bucket and ``load`` its named tensors (views of a receive buffer that the next buckets
     reuse: copy them). Returns whether the update was partial."""
-    manifest: Manifest = pickle.loads(group.share(None, root=0))
-    if manifest.error is not None:
-        raise manifest.error
-    buckets = manifest.buckets
+    group.check_usable()
+    buckets, partial = _manifest_from(group.share(None, root=0))
     rejection = None
     try:
-        check_against_spec((m for metas, _ in buckets for m in metas), spec, manifest.partial)
+        check_against_spec((m for metas, _ in buckets for m in metas), spec, partial)
         # two receive buffers of the largest bucket (and its mark), taken before anything is
         # applied: a rank that cannot hold them rejects the update
         largest = max((offsets[-1] for _, offsets in buckets), default=0) + 1
@@ -279,11 +523,22 @@ def receive(
         buf = pool[i % 2][: buckets[i][1][-1] + 1]
         return group.broadcast(buf), buf
 
-    failure: RollgenError | None = None
+    with group.applying():
+        _receive_buckets(group, buckets, post, load)
+    return partial
+
+
+def _receive_buckets(
+    group: SyncGroup,
+    buckets: tuple[Bucket, ...],
+    post: Callable[[int], tuple[Any, torch.Tensor]],
+    load: Callable[[list[tuple[str, torch.Tensor]]], None],
+) -> None:
+    failure: RefitError | None = None
     incoming = [post(0)] if buckets else []
     for i, (metas, offsets) in enumerate(buckets):
         work, buf = incoming.pop()
-        work.wait()
+        group.wait(work, f"receiving bucket {i + 1} of {len(buckets)}")
         if i + 1 < len(buckets):
             incoming.append(post(i + 1))
         if failure is not None or int(buf[-1].item()) != 0:
@@ -298,7 +553,6 @@ def receive(
                 stale=True,
             )
     group.settle(failure)
-    return manifest.partial
 
 
 def _layout(group: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Bucket:
@@ -329,8 +583,8 @@ def _nonfinite_error(
     )
 
 
-def _finish(work: Any, buf: torch.Tensor) -> None:
+def _finish(group: SyncGroup, work: Any, buf: torch.Tensor) -> None:
     """Wait for a broadcast to leave this process (the buffer may then be freed)."""
-    work.wait()
+    group.wait(work, "sending a bucket")
     if buf.is_cuda:
         torch.cuda.current_stream(buf.device).synchronize()

@@ -2,63 +2,110 @@
 its own, past the Ray call to the engine's actor and the engine's RPC to its ranks (together
 2.7 ms a round trip on an H200 host, against 0.09 ms over a channel).
 
-A rank opens a ``ChannelServer`` (a thread that serves one connection) and returns its address;
-the driver connects a ``Channel`` to it. Sockets are Unix sockets in the abstract namespace,
-authenticated with a key the driver makes (``multiprocessing.connection``), so they reach the
-ranks on the driver's machine only: where a rank runs elsewhere, the connection fails and the
-driver keeps to the RPC. A request is answered in order, one at a time; what the handler
-raises comes back: a ``RollgenError`` as itself, anything else as a ``WorkerError`` with the
-rank's traceback. A channel that closes means the rank's process ended."""
+A rank opens a ``ChannelServer`` (a thread that accepts connections) and returns its address;
+the driver connects a ``Channel`` to it. Sockets are Unix sockets in the abstract namespace, so
+they reach the ranks on the driver's machine only: where a rank runs elsewhere, the connection
+fails and the driver keeps to the RPC.
+
+Who may talk to a rank: a process of the same user (checked by the kernel's peer credentials,
+on both ends) that proves it holds the key the driver made (``rollgen.auth.handshake``, within
+``HANDSHAKE_TIMEOUT_S``). Anyone else is logged at WARNING and dropped; each connection is
+authenticated in a thread of its own, so a client that connects and says nothing delays no one.
+Requests and answers are pickles, read only from an authenticated peer. A request is answered in
+order, one at a time; what the handler raises comes back: a ``RollgenError`` as itself, anything
+else as a ``WorkerError`` with the rank's traceback. A channel that closes means the rank's
+process ended."""
 
 from __future__ import annotations
 
 import logging
+import os
 import pickle
+import socket
 import threading
 import traceback
 import uuid
 from collections.abc import Callable
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
+from rollgen import auth
 from rollgen.errors import RollgenError, WorkerError
 
 logger = logging.getLogger(__name__)
 
+#: How long either end waits for the other to prove it holds the key (and the driver to connect).
+HANDSHAKE_TIMEOUT_S = 10.0
+
 
 class ChannelServer:
-    """One engine rank's end: a daemon thread that accepts the driver's connection and answers
-    each request with ``handle(request)``, on ``device`` and with as many CPU threads as the
-    thread that opens it (a thread's CUDA device and thread count are its own)."""
+    """One engine rank's end: a daemon thread that accepts connections and answers each
+    authenticated one's requests with ``handle(request)`` (one request at a time), on ``device``
+    and with as many CPU threads as the thread that opens it (a thread's CUDA device and thread
+    count are its own)."""
 
     def __init__(self, handle: Callable[[Any], Any], authkey: bytes, device: torch.device) -> None:
         self.address = f"\0rollgen-channel-{uuid.uuid4().hex}"
-        self._listener = Listener(self.address, "AF_UNIX", authkey=authkey)
-        self._thread = threading.Thread(
-            target=self._serve,
-            args=(handle, device, torch.get_num_threads()),
-            daemon=True,
-            name="rollgen-channel",
-        )
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.address)
+        self._listener.listen(16)
+        self._handle, self._key, self._lock = handle, authkey, threading.Lock()
+        self._device, self._threads = device, torch.get_num_threads()
+        self._thread = threading.Thread(target=self._accept, daemon=True, name="rollgen-channel")
         self._thread.start()
 
-    def _serve(self, handle: Callable[[Any], Any], device: torch.device, threads: int) -> None:
+    def _accept(self) -> None:
         with self._listener:  # a thread that fails closes its socket: the driver's connect fails
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            with self._listener.accept() as conn:
-                while True:
-                    try:
-                        request = pickle.loads(conn.recv_bytes())
-                        answer = _answer(handle, request)
-                        conn.send_bytes(answer)
-                    except (EOFError, OSError):  # the driver closed its end
-                        return
+            self._bind_thread()
+            while True:
+                sock, _ = self._listener.accept()
+                threading.Thread(
+                    target=self._serve, args=(sock,), daemon=True, name="rollgen-channel"
+                ).start()
+
+    def _bind_thread(self) -> None:
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            _authenticate(sock, self._key, initiator=False)
+        except auth.AuthenticationFailed as exc:
+            logger.warning("refit channel %s: refused a connection: %s", self.address[1:], exc)
+            sock.close()
+            return
+        self._bind_thread()
+        with Connection(sock.detach()) as conn:
+            while True:
+                try:
+                    request = pickle.loads(conn.recv_bytes())  # from the authenticated driver
+                    with self._lock:
+                        answer = _answer(self._handle, request)
+                    conn.send_bytes(answer)
+                except (EOFError, OSError):  # the driver closed its end
+                    return
+
+
+def _authenticate(sock: socket.socket, key: bytes, *, initiator: bool) -> None:
+    """The peer is a process of this user that holds ``key`` (within the handshake's timeout);
+    else ``AuthenticationFailed`` or ``OSError``, saying which."""
+    uid = auth.peer_uid(sock)
+    if uid != os.getuid():
+        raise auth.AuthenticationFailed(f"the peer runs as user {uid}, not as this process's {os.getuid()}")
+    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+    try:
+        auth.handshake(sock, key, initiator=initiator)
+    except TimeoutError as exc:
+        raise auth.AuthenticationFailed(
+            f"the peer did not authenticate within {HANDSHAKE_TIMEOUT_S} s"
+        ) from exc
+    except OSError as exc:
+        raise auth.AuthenticationFailed(f"the handshake broke off ({exc})") from exc
+    sock.settimeout(None)
 
 
 def _answer(handle: Callable[[Any], Any], request: Any) -> bytes:
@@ -80,7 +127,15 @@ class Channel:
 
     def __init__(self, address: str, authkey: bytes, name: str) -> None:
         self.name = name
-        self._conn: Connection = Client(address, "AF_UNIX", authkey=authkey)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            sock.connect(address)
+            _authenticate(sock, authkey, initiator=True)
+        except BaseException:
+            sock.close()
+            raise
+        self._conn = Connection(sock.detach())
 
     def send(self, request: Any) -> None:
         """Send a request (``result`` takes its answer)."""
@@ -117,14 +172,23 @@ class Channel:
 def connect(addresses: list[list[str]], authkey: bytes, names: list[str]) -> list[list[Channel]]:
     """A channel to each rank (``addresses``: each engine's ranks'), or none where one does not
     connect (a rank on another machine, or in another network namespace: the threads of the
-    ranks not reached wait on their sockets for as long as their engines run)."""
+    ranks not reached wait on their sockets for as long as their engines run) or does not
+    authenticate (logged at WARNING: refits then take the engines' RPC)."""
     channels: list[list[Channel]] = []
     try:
         for ranks, name in zip(addresses, names, strict=True):
             channels.append([])
             for rank, address in enumerate(ranks):
                 channels[-1].append(Channel(address, authkey, f"{name} rank {rank}"))
-    except (OSError, EOFError, AuthenticationError) as exc:
+    except auth.AuthenticationFailed as exc:  # someone else's socket, or a wrong key
+        logger.warning(
+            "refits go through the engines' RPC (about 30x a channel's round trip): a refit channel "
+            "failed its authentication: %s",
+            exc,
+        )
+        close(channels)
+        return []
+    except OSError as exc:  # a rank on another machine, or one whose thread ended
         logger.info("refits go through the engines' RPC: a refit channel did not connect (%s)", exc)
         close(channels)
         return []

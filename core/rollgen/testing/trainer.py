@@ -1,5 +1,6 @@
 """A trainer in a process of its own, for tests of refit over a weight-sync group:
-``python -m rollgen.testing.trainer SPEC_JSON UPDATES_JSON DTYPE DEVICE`` joins the group as its
+``python -m rollgen.testing.trainer UPDATES_JSON DTYPE DEVICE`` (the spec's JSON on its stdin:
+it holds the group's secret, which a command line would show every user) joins the group as its
 sender (its tensors on DEVICE: ``cpu`` or ``cuda:N``), writing "port N" to its stdout (where it
 listens: the spec's port may be 0), then broadcasts each update in turn, writing "ok" or the
 RefitError's first line after each."""
@@ -26,10 +27,17 @@ class Trainer:
     """The trainer process of ``start_trainer``."""
 
     def __init__(self, spec: SyncGroupSpec, updates: Sequence[Update], dtype: str, device: str) -> None:
-        args = [json.dumps(dataclasses.asdict(spec)), json.dumps(list(updates)), dtype, device]
+        args = [json.dumps(list(updates)), dtype, device]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", __name__, *args], stdout=subprocess.PIPE, text=True, bufsize=1
+            [sys.executable, "-m", __name__, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
         )
+        assert self.process.stdin is not None  # a pipe
+        self.process.stdin.write(json.dumps(dataclasses.asdict(spec)))
+        self.process.stdin.close()
         port = self.result()
         if not port.startswith("port "):
             self.kill()
@@ -82,9 +90,9 @@ def _tell(line: str) -> None:
 
 
 if __name__ == "__main__":
-    spec_json, updates_json, dtype_name, device_name = sys.argv[1:5]
+    updates_json, dtype_name, device_name = sys.argv[1:4]
     send_updates(
-        SyncGroupSpec(**json.loads(spec_json)),
+        SyncGroupSpec(**json.loads(sys.stdin.read())),
         [tuple(u) for u in json.loads(updates_json)],
         getattr(torch, dtype_name),
         torch.device(device_name),
