@@ -321,3 +321,18 @@ def test_nccl_on_engines_without_gpus_is_refused_before_anyone_joins(hf_config: 
     with rollgen.create_generation(hf_config) as gen:
         with pytest.raises(RefitError, match="needs the engines on CUDA GPUs"):
             gen.init_weight_sync(SyncGroupSpec("127.0.0.1", 29999, 2, "nccl", 5.0))
+
+
+def test_sending_to_a_generation_that_shut_down_is_a_refit_error(hf_config: dict) -> None:
+    import rollgen
+    from rollgen.testing.reference import load_reference_model
+
+    gen = rollgen.create_generation(hf_config)
+    sender = WeightSender(gen.weight_sync_spec("127.0.0.1", timeout_s=3))
+    connecting = threading.Thread(target=sender.connect)
+    connecting.start()
+    gen.init_weight_sync(sender.spec)
+    connecting.join()
+    gen.shutdown()
+    with pytest.raises(RefitError, match="broke while"):
+        sender.send(load_reference_model(hf_config["model_name"], torch.float32).state_dict())
