@@ -180,6 +180,13 @@ def test_an_nccl_group_with_two_ranks_on_one_gpu_is_refused_before_anyone_joins(
 
 # ---- who may join: the trust model of a group (the store, its secret, messages as data) -----------
 
+
+@pytest.fixture
+def cpu_config(hf_config: dict) -> dict:
+    """The hf engine on the CPU (a gloo group), also on a machine with a GPU."""
+    return {**hf_config, "hf_cfg": {"device": "cpu"}}
+
+
 ROGUE = Path(__file__).with_name("rogue_rank.py")
 
 
@@ -208,12 +215,12 @@ def test_a_rogue_that_joins_as_an_engine_rank_is_refused_and_nothing_it_sends_is
 
 
 def test_a_rogue_in_the_senders_place_is_refused_by_the_engine_which_keeps_serving(
-    hf_config: dict, tmp_path: Path
+    cpu_config: dict, tmp_path: Path
 ) -> None:
     import rollgen
 
     marker = tmp_path / "payload-ran"
-    with rollgen.create_generation(hf_config) as gen:
+    with rollgen.create_generation(cpu_config) as gen:
         sender = WeightSender(gen.weight_sync_spec("127.0.0.1", timeout_s=20))
         with rogue_joined(sender.spec, 0, marker):
             with pytest.raises(
@@ -285,10 +292,10 @@ def test_engines_that_never_receive_fail_the_send_typed_and_unstale() -> None:
         sender.send(source())
 
 
-def test_an_engine_whose_sender_never_sends_is_not_stale_and_keeps_serving(hf_config: dict) -> None:
+def test_an_engine_whose_sender_never_sends_is_not_stale_and_keeps_serving(cpu_config: dict) -> None:
     import rollgen
 
-    with rollgen.create_generation(hf_config) as gen:
+    with rollgen.create_generation(cpu_config) as gen:
         sender = WeightSender(gen.weight_sync_spec("127.0.0.1", timeout_s=3))
         connecting = threading.Thread(target=sender.connect)
         connecting.start()
@@ -302,10 +309,10 @@ def test_an_engine_whose_sender_never_sends_is_not_stale_and_keeps_serving(hf_co
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "no-such-host.invalid"])
-def test_an_engine_that_cannot_reach_the_store_is_a_refit_error(hf_config: dict, address: str) -> None:
+def test_an_engine_that_cannot_reach_the_store_is_a_refit_error(cpu_config: dict, address: str) -> None:
     import rollgen
 
-    with rollgen.create_generation(hf_config) as gen:
+    with rollgen.create_generation(cpu_config) as gen:
         closed = socket.create_server(("127.0.0.1", 0))
         port = closed.getsockname()[1]
         closed.close()
@@ -315,19 +322,19 @@ def test_an_engine_that_cannot_reach_the_store_is_a_refit_error(hf_config: dict,
         assert gen.weight_sync is None
 
 
-def test_nccl_on_engines_without_gpus_is_refused_before_anyone_joins(hf_config: dict) -> None:
+def test_nccl_on_engines_without_gpus_is_refused_before_anyone_joins(cpu_config: dict) -> None:
     import rollgen
 
-    with rollgen.create_generation(hf_config) as gen:
+    with rollgen.create_generation(cpu_config) as gen:
         with pytest.raises(RefitError, match="needs the engines on CUDA GPUs"):
             gen.init_weight_sync(SyncGroupSpec("127.0.0.1", 29999, 2, "nccl", 5.0))
 
 
-def test_sending_to_a_generation_that_shut_down_is_a_refit_error(hf_config: dict) -> None:
+def test_sending_to_a_generation_that_shut_down_is_a_refit_error(cpu_config: dict) -> None:
     import rollgen
     from rollgen.testing.reference import load_reference_model
 
-    gen = rollgen.create_generation(hf_config)
+    gen = rollgen.create_generation(cpu_config)
     sender = WeightSender(gen.weight_sync_spec("127.0.0.1", timeout_s=3))
     connecting = threading.Thread(target=sender.connect)
     connecting.start()
@@ -335,4 +342,4 @@ def test_sending_to_a_generation_that_shut_down_is_a_refit_error(hf_config: dict
     connecting.join()
     gen.shutdown()
     with pytest.raises(RefitError, match="broke while"):
-        sender.send(load_reference_model(hf_config["model_name"], torch.float32).state_dict())
+        sender.send(load_reference_model(cpu_config["model_name"], torch.float32).state_dict())
