@@ -1,4 +1,4 @@
-"""Refit channels (``rollgen.distributed.channel``): answers in order, errors brought back typed,
+"""Refit channels (``rollgen.refit.channel``): answers in order, errors brought back typed,
 a rank whose process ended, ranks that do not connect; and the driver's use of them for kept
 layouts (a name alone once an engine holds it, the pickle again for a rank that lost it, every
 rank's answer before an error). Real vLLM refits over them in test_vllm.py and the suite."""
@@ -17,11 +17,10 @@ import pytest
 import torch
 
 from rollgen import auth
-from rollgen.distributed import channel
-from rollgen.distributed.channel import Channel, ChannelServer
 from rollgen.distributed.generation import RayGeneration
 from rollgen.errors import RefitError, WorkerError
-from rollgen.refit import TensorMeta, WeightBucket
+from rollgen.refit import TensorMeta, WeightBucket, channel
+from rollgen.refit.channel import Channel, ChannelServer
 
 CPU = torch.device("cpu")
 

@@ -29,10 +29,10 @@ from rollgen.errors import (
 from rollgen.model_info import ModelInfo
 from rollgen.output import empty_output, finish_output, stop_reason
 from rollgen.refit import Named, WeightBucket, WeightSpec
+from rollgen.refit.weight_sync import SyncBackend, SyncGroup, SyncGroupSpec, WeightSender, receive
 from rollgen.rollout import Rollout, SampleRequest, Streams, UpdateMode
 from rollgen.sampling import SampleParams, resolve_sampling, truncate_at_stop
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
-from rollgen.weight_sync import SyncBackend, SyncGroup, SyncGroupSpec, WeightSender, receive
 
 logger = logging.getLogger(__name__)
 

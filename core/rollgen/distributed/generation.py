@@ -21,18 +21,17 @@ import torch
 
 from rollgen.base import BaseGeneration, Packing, serialised
 from rollgen.data import BatchedDataDict
-from rollgen.distributed import channel
-from rollgen.distributed.channel import Channel
 from rollgen.distributed.dispatch import SampleDispatcher
 from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec, running
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
 from rollgen.errors import ConfigError, RollgenError, WorkerError
-from rollgen.in_place import InPlaceSources
-from rollgen.refit import KEPT_UNPACKED, WeightBucket, WeightSpec, dtype_name
+from rollgen.refit import KEPT_UNPACKED, WeightBucket, WeightSpec, channel, dtype_name
+from rollgen.refit.channel import Channel
+from rollgen.refit.in_place import InPlaceSources
+from rollgen.refit.staging import RefitStaging, flat_sizes
+from rollgen.refit.weight_sync import SyncGroupSpec
 from rollgen.rollout import SampleRequest
-from rollgen.staging import RefitStaging, flat_sizes
-from rollgen.weight_sync import SyncGroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -221,7 +220,7 @@ class RayGeneration(BaseGeneration):
     @property
     def refits_in_place(self) -> bool:
         """Whether a colocated trainer's refit of the tensors it refitted last has the engines
-        read them in place (``rollgen.in_place``), where the staging buffers serve."""
+        read them in place (``rollgen.refit.in_place``), where the staging buffers serve."""
         return False
 
     @property
@@ -314,7 +313,7 @@ class RayGeneration(BaseGeneration):
             _hold(held, layout)
 
     def _open_channels(self) -> list[list[Channel]]:
-        """A refit channel to every engine rank (``rollgen.distributed.channel``), where every
+        """A refit channel to every engine rank (``rollgen.refit.channel``), where every
         engine has them and they connect; else none (buckets go through the actors)."""
         authkey = os.urandom(32)
         try:
@@ -338,7 +337,7 @@ class RayGeneration(BaseGeneration):
     # ---- staging buffers (refit over CUDA IPC) ----------------------------------------------------
     def _packing(self, groups: list[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None) -> Packing:
         """Over CUDA IPC, where every worker reports its GPUs: in place, as one bucket, where
-        the source is the tensors of the last refit (``rollgen.in_place``); else into the
+        the source is the tensors of the last refit (``rollgen.refit.in_place``); else into the
         staging buffers, made (or replaced by larger ones) for the largest bucket first."""
         staging, in_place = self._staging, self._in_place
         if staging is None:
