@@ -34,6 +34,7 @@ from rollgen.refit import (
     unflatten,
     unpack_request,
 )
+from rollgen.testing.links import RecordingLink
 
 
 def _receiver(conn) -> None:
@@ -268,27 +269,28 @@ def test_a_rejected_refit_leaves_the_engine_serving(hf_config: dict) -> None:
         assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], before["output_ids"])
 
 
-def test_the_prefix_reset_comes_with_the_last_bucket(hf_config: dict, monkeypatch) -> None:
-    """A refit after a generate hands its last bucket to ``_apply_last_bucket`` (engines reached
-    over a round trip load it and reset the prefix cache in one call), the others to
-    ``_apply_bucket``; a refit after no generate resets nothing."""
+def test_the_prefix_reset_comes_with_the_last_bucket(hf_config: dict) -> None:
+    """A refit after a generate asks the link to load its last bucket with the prefix-cache reset
+    (engines reached over a round trip do both in one call), the others without; a refit after
+    no generate resets nothing; a NaN output makes the next complete refit clear the KV cache."""
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
     with rollgen.create_generation(hf_config) as engine:
-        calls: list[str] = []
-        apply, last = engine._apply_bucket, engine._apply_last_bucket
-        monkeypatch.setattr(engine, "_apply_bucket", lambda b: (calls.append("bucket"), apply(b)))
-        monkeypatch.setattr(engine, "_apply_last_bucket", lambda b: (calls.append("last"), last(b)))
-        monkeypatch.setattr(engine, "_reset_prefix_cache", lambda: calls.append("reset"))
+        link = RecordingLink(engine.updates.link)
+        engine.updates.link = link
         weights = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in engine.weight_spec.items()}
         count = len(list(bucket_groups(weights, 1 << 14)))
         assert count > 2
         engine.generate(batch)
         engine.refit(weights, bucket_bytes=1 << 14)
-        # hf's _apply_last_bucket is the default: the bucket, then the reset
-        assert calls == ["bucket"] * (count - 1) + ["last", "bucket", "reset"]
-        calls.clear()
+        assert link.calls == [("apply", "", False)] * (count - 1) + [("apply", "", True)]
+        link.calls.clear()
         engine.refit(weights, bucket_bytes=1 << 14)
-        assert calls == ["bucket"] * count
+        assert link.calls == [("apply", "", False)] * count
+        link.calls.clear()
+        engine.updates.kv_poisoned = True  # as a generate that returned NaN logprobs leaves it
+        engine.refit(weights, bucket_bytes=1 << 14)
+        assert link.calls == [("apply", "", False)] * count + [("clear",)]
+        assert not engine.updates.kv_poisoned
 
 
 def test_a_kept_layouts_unpacked_tensors_are_held_until_released() -> None:
