@@ -58,7 +58,7 @@ def serialised(method: _Method) -> _Method:
             try:
                 return method(self, *args, **kwargs)
             except WorkerError as exc:
-                if exc.died and self._dead is None:
+                if exc.died and self._dead is None and not self._survives(exc):
                     self._dead = exc
                 raise
 
@@ -161,6 +161,11 @@ class BaseGeneration(ABC):
     @property
     def releases_memory_on_sleep(self) -> bool:
         """Whether ``finish_generation`` really frees device memory here (False: honest no-op)."""
+        return False
+
+    def _survives(self, error: WorkerError) -> bool:
+        """Whether the generation goes on after the death ``error`` reports (backends whose
+        replicas are replaced: ``engine_failures``); by default it ends."""
         return False
 
     @property

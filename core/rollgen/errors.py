@@ -84,8 +84,9 @@ class RefitError(RollgenError):
 
 class WorkerError(RollgenError):
     """A remote worker died or raised. ``worker`` names it; ``remote_traceback`` keeps the
-    worker's own traceback when there is one; ``died``: the worker is gone, and the generation
-    object with it (every later call raises this again; create a new one)."""
+    worker's own traceback when there is one; ``died``: the worker is gone; with
+    ``engine_failures: "fail"`` (the default) the generation object with it (every later call
+    raises this again; create a new one), with ``"replace"`` only once no replica is left."""
 
     def __init__(
         self, worker: str, message: str, remote_traceback: str | None = None, *, died: bool = False

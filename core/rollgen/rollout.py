@@ -55,6 +55,8 @@ class FinishedSample:
     logprobs: tuple[float, ...]
     aborted: bool = False
     error: str | None = None
+    #: Times it was restarted from its start (or its last ``keep`` point) after an engine died.
+    restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class SampleResult:
     logprobs: list[float]
     stop_reason: str
     versions: tuple[tuple[int, int], ...]
+    #: Times it was restarted on another engine after the one running it died (``engine_failures:
+    #: "replace"``): the tokens of a restarted run are dropped, those kept are the last run's.
+    restarts: int = 0
 
     def version_at(self, position: int) -> int:
         """The weight version that produced generated token ``position``."""
@@ -83,6 +88,7 @@ class _Sample:
     logprobs: list[float] = field(default_factory=list)
     versions: list[tuple[int, int]] = field(default_factory=list)
     attempt: int = 0
+    restarts: int = 0
     #: Why the core asked the backend to abort it (None: it runs to its end).
     ending: Literal["cancelled", "aborted", "continue"] | None = None
 
@@ -320,6 +326,7 @@ class Streams:
             )
         if not all(map(math.isfinite, f.logprobs)):
             self._nonfinite()
+        sample.restarts += f.restarts
         sample.token_ids.extend(f.token_ids)
         sample.logprobs.extend(f.logprobs)
         tokens, params = sample.token_ids, sample.params
@@ -341,7 +348,9 @@ class Streams:
     def _finish(self, sample: _Sample, reason: str) -> None:
         # a sample that never started is stamped with the version it would have run under
         versions = tuple(sample.versions) or ((self.version, 0),)
-        sample.rollout._put(SampleResult(sample.index, sample.token_ids, sample.logprobs, reason, versions))
+        sample.rollout._put(
+            SampleResult(sample.index, sample.token_ids, sample.logprobs, reason, versions, sample.restarts)
+        )
 
     @contextmanager
     def update(self, mode: UpdateMode, fresh: Callable[[], bool]) -> Iterator[None]:

@@ -86,6 +86,14 @@ class RayEngineCfg(TypedDict):
     #: GPU share each bundle reserves: 1 (a whole GPU) or, for TP=1 only, a fraction so that several
     #: small engines (each with its own memory limit) share a GPU.
     gpus_per_bundle: NotRequired[Annotated[float, Field(gt=0, le=1, default=1.0)]]
+    #: What the death of one engine does: "fail" ends the generation (``usable`` False); "replace"
+    #: re-runs what it held on the surviving engines and starts a new one in its place, which serves
+    #: once it holds the current weights (docs/contract.md, "Failures of engine processes").
+    engine_failures: NotRequired[Annotated[Literal["fail", "replace"], Field(default="fail")]]
+    #: With "replace": how often one engine is replaced within ``restart_window_s`` seconds; after
+    #: that it stays out of service.
+    max_restarts: NotRequired[Annotated[PositiveInt, Field(default=3)]]
+    restart_window_s: NotRequired[Annotated[float, Field(gt=0, default=3600.0)]]
     #: The engine's own log level: what of its logging reaches the trainer's console (through
     #: Ray's log forwarding).
     log_level: NotRequired[

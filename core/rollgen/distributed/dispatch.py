@@ -5,6 +5,7 @@ samples and hands what ended to the core."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections import defaultdict, deque
@@ -14,7 +15,7 @@ from typing import Any
 import ray
 
 from rollgen.distributed.worker_groups import RayWorkerGroup
-from rollgen.errors import RollgenError
+from rollgen.errors import RollgenError, WorkerError
 from rollgen.rollout import FinishedSample, SampleRequest
 
 logger = logging.getLogger(__name__)
@@ -30,9 +31,18 @@ class SampleDispatcher:
     ``deliver``."""
 
     def __init__(
-        self, group: RayWorkerGroup, capacity: list[int], deliver: Callable[[list[FinishedSample]], None]
+        self,
+        group: RayWorkerGroup,
+        capacity: list[int],
+        deliver: Callable[[list[FinishedSample]], None],
+        died: Callable[[int, WorkerError], bool] = lambda engine, error: False,
     ) -> None:
         self.group, self.capacity, self.deliver = group, list(capacity), deliver
+        #: Told of an engine's death; True: its samples are re-run elsewhere (it called ``take_out``).
+        self.died = died
+        #: The samples on engines, and how often each was restarted after its engine died.
+        self._requests: dict[str, SampleRequest] = {}
+        self._restarts: dict[str, int] = defaultdict(int)
         self._lock = threading.Condition()
         self._queue: deque[SampleRequest] = deque()
         self._where: dict[str, int] = {}
@@ -57,6 +67,8 @@ class SampleDispatcher:
         with self._lock:
             waiting = [r for r in self._queue if r.key in wanted]
             self._queue = deque(r for r in self._queue if r.key not in wanted)
+            for r in waiting:
+                self._restarts.pop(r.key, None)
             for key in wanted:
                 if key in self._where:
                     by_engine[self._where[key]].append(key)
@@ -84,6 +96,7 @@ class SampleDispatcher:
             batches[engine].append(request)
             self._load[engine] += 1
             self._where[request.key] = engine
+            self._requests[request.key] = request
         for i, requests in batches.items():
             self._calls[self.group.workers[i].start_samples.remote(requests)] = i
 
@@ -109,24 +122,75 @@ class SampleDispatcher:
             engine = self._polls.pop(ref, None)
             polled = engine is not None
             if engine is None:
-                engine = self._calls.pop(ref)
+                engine = self._calls.pop(ref, None)
+            if engine is None:  # a call to an engine since replaced (``reopen``)
+                return
         name = self.group.names[engine]
         try:
             result = self.group.get([ref], names=[name])[0]
             ended: list[FinishedSample] = result if polled else []
-        except RollgenError as exc:  # the engine failed: so did every sample it has
-            logger.error("%s failed while streaming samples: %s", name, exc)
-            with self._lock:
-                self.capacity[engine] = 0
-                lost = [k for k, i in self._where.items() if i == engine]
-                if not any(self.capacity):  # no engine left for the waiting ones either
-                    lost += [r.key for r in self._queue]
-                    self._queue.clear()
-            ended = [FinishedSample(k, (), (), error=f"{name}: {exc}") for k in lost]
+        except RollgenError as exc:  # a death the fleet takes re-runs its samples elsewhere
+            if not (isinstance(exc, WorkerError) and exc.died and self.died(engine, exc)):
+                self._failed(engine, name, exc)
+                return
+            ended = []
+        self._ended(engine, ended)
+
+    def _failed(self, engine: int, name: str, exc: RollgenError) -> None:
+        """Engine ``engine`` failed: so did every sample it has."""
+        logger.error("%s failed while streaming samples: %s", name, exc)
+        with self._lock:
+            self.capacity[engine] = 0
+            lost = [k for k, i in self._where.items() if i == engine]
+            if not any(self.capacity):  # no engine left for the waiting ones either
+                lost += [r.key for r in self._queue]
+                self._queue.clear()
+        self._ended(engine, [FinishedSample(k, (), (), error=f"{name}: {exc}") for k in lost])
+
+    def _ended(self, engine: int, ended: list[FinishedSample]) -> None:
+        """Report the samples ``ended`` of ``engine`` (each with its restarts) and send more."""
         with self._lock:
             for sample in ended:
+                self._requests.pop(sample.key, None)
                 if self._where.pop(sample.key, None) is not None:
                     self._load[engine] -= 1
+            ended = [dataclasses.replace(s, restarts=self._restarts.pop(s.key, 0)) for s in ended]
             self._send()
         if ended:
             self.deliver(ended)
+
+    # ---- a replaced engine (rollgen.distributed.fleet) -------------------------------------------
+    @property
+    def load(self) -> list[int]:
+        """Each engine's streamed samples."""
+        with self._lock:
+            return list(self._load)
+
+    def take_out(self, engine: int) -> None:
+        """Engine ``engine`` is out of service: its samples go back to the head of the queue
+        (from their start, with the same settings and seed), for the other engines."""
+        with self._lock:
+            self.capacity[engine] = 0
+            keys = [k for k, i in self._where.items() if i == engine]
+            for key in keys:
+                del self._where[key]
+                self._restarts[key] += 1
+            self._load[engine] = 0
+            self._queue.extendleft(reversed([self._requests.pop(k) for k in keys]))
+            if keys:
+                logger.warning(
+                    "%s: %d streamed sample(s) restart on other engines", self.group.names[engine], len(keys)
+                )
+            self._send()
+            self._lock.notify_all()
+
+    def reopen(self, engine: int, capacity: int) -> None:
+        """Engine ``engine`` (a new actor) is in service again with ``capacity``; calls to the
+        one it replaced are forgotten."""
+        with self._lock:
+            for refs in (self._polls, self._calls):
+                for ref in [r for r, i in refs.items() if i == engine]:
+                    del refs[ref]
+            self.capacity[engine] = capacity
+            self._send()
+            self._lock.notify_all()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -17,16 +17,18 @@ from typing import Any, ClassVar
 import ray
 import torch
 
-from rollgen.base import BaseGeneration
+from rollgen.base import WAKE_TAGS, BaseGeneration, serialised
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.dispatch import SampleDispatcher
+from rollgen.distributed.fleet import Fleet, ReplicaStatus
 from rollgen.distributed.refit_link import RayLink
 from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec, running
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
 from rollgen.errors import ConfigError, WorkerError
 from rollgen.refit import WeightBucket, dtype_name
-from rollgen.rollout import SampleRequest
+from rollgen.refit.bucket import named_tensors
+from rollgen.rollout import SampleRequest, UpdateMode
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +167,12 @@ class RayGeneration(BaseGeneration):
             )
             self.engine_info = self.group.call_all(EngineWorker.ready)
             self._dispatcher = SampleDispatcher(
-                self.group, [info["capacity"] for info in self.engine_info], self._streams.deliver
+                self.group,
+                [info["capacity"] for info in self.engine_info],
+                self._streams.deliver,
+                lambda engine, error: self.fleet.died(engine, error),
             )
+            self.fleet = Fleet(self, self.plan.spec.engine)
             self.updates  # noqa: B018 - its link opens the engines' refit channels now
             on_failure.pop_all()
         logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, self.engine_info[0])
@@ -211,12 +217,98 @@ class RayGeneration(BaseGeneration):
         return self.plan.spec.sleep_enabled
 
     def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
-        requests = GenerateRequest.shards(batch, self.sample_params(batch, greedy), self.dp_size)
-        results = self.group.call_sharded(EngineWorker.generate, requests)
+        if self.fleet.replaces:
+            results = self.fleet.generate(batch, self.sample_params(batch, greedy))
+        else:
+            requests = GenerateRequest.shards(batch, self.sample_params(batch, greedy), self.dp_size)
+            results = self.group.call_sharded(EngineWorker.generate, requests)
         return BatchedDataDict.from_batches(results, pad_value_dict={"output_ids": self.cfg["pad_token_id"]})
 
     def _stream_start(self, requests: list[SampleRequest]) -> None:
+        if self.fleet.replaces:
+            self.fleet.admit()
         self._dispatcher.start(requests)
+
+    # ---- replicas (rollgen.distributed.fleet) -----------------------------------------------------
+    @property
+    def replicas(self) -> list[ReplicaStatus]:
+        """Each replica's state (starting, stale, healthy, dead), weight version, samples in
+        flight, restarts and last error."""
+        return self.fleet.status()
+
+    @serialised
+    def restore_replicas(self, timeout_s: float | None = None) -> list[ReplicaStatus]:
+        """Wait up to ``timeout_s`` (None: no limit) for the replacements starting, bring those
+        that started to the current weights and put them in service (``generate`` and
+        ``submit`` do this without waiting); returns ``replicas``."""
+        self._check_open()
+        self._check_awake(WAKE_TAGS, "restore replicas")
+        self.fleet.admit(timeout_s)
+        return self.fleet.status()
+
+    def _survives(self, error: WorkerError) -> bool:
+        return self.fleet.died_as(error)
+
+    def _again_on_death(self, update: Callable[[], None]) -> None:
+        """Run ``update``; if a replica's death ends it and the fleet goes on, run it once more
+        (on the survivors: a death during a refit leaves no replica that serves mixed weights)."""
+        try:
+            update()
+        except WorkerError as exc:
+            if not (exc.died and self.fleet.replaces and self._survives(exc)):
+                raise
+            logger.warning(
+                "%s: %s died during a weight update; updating the others again", self.name, exc.worker
+            )
+            update()
+
+    @serialised
+    def update_weights(
+        self,
+        buckets: WeightBucket | Iterable[WeightBucket],
+        *,
+        partial: bool = False,
+        mode: UpdateMode = "wait",
+    ) -> None:
+        if self.fleet.replaces and isinstance(buckets, (WeightBucket, list, tuple)):
+            buckets = [buckets] if isinstance(buckets, WeightBucket) else list(buckets)
+            for b in buckets:  # mapped here before they are sent, to be kept after
+                if isinstance(b, WeightBucket):
+                    b.resolve()
+        self._again_on_death(
+            lambda: super(RayGeneration, self).update_weights(buckets, partial=partial, mode=mode)
+        )
+        kept = buckets if isinstance(buckets, list) else []
+        self.fleet.updated((pair for b in kept for pair in b.unpack()), partial)
+
+    @serialised
+    def refit(
+        self,
+        source: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        bucket_bytes: int | None = None,
+        dtype: torch.dtype | None = None,
+        partial: bool = False,
+        check_finite: bool = True,
+        mode: UpdateMode = "wait",
+    ) -> None:
+        self._again_on_death(
+            lambda: super(RayGeneration, self).refit(
+                source,
+                bucket_bytes=bucket_bytes,
+                dtype=dtype,
+                partial=partial,
+                check_finite=check_finite,
+                mode=mode,
+            )
+        )
+        named = named_tensors(source)
+        self.fleet.updated(((n, t if dtype is None else t.to(dtype)) for n, t in named), partial)
+
+    @serialised
+    def update_weights_from_collective(self, *, mode: UpdateMode = "wait") -> None:
+        super().update_weights_from_collective(mode=mode)
+        self.fleet.updated(None, False)
 
     def _stream_abort(self, keys: list[str]) -> None:
         self._dispatcher.abort(keys)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import ray
@@ -59,7 +59,7 @@ class RayLink(GenerationLink):
     def _open_channels(self) -> list[list[channel.Channel]]:
         """A refit channel to every engine rank, where every engine has them and they connect;
         else none (buckets go through the actors)."""
-        authkey = os.urandom(32)
+        authkey = self._authkey = os.urandom(32)
         try:
             addresses = self.group.call_all(EngineWorker.open_channels, authkey)
         except WorkerError as exc:
@@ -149,6 +149,36 @@ class RayLink(GenerationLink):
     def receive_weights(self, spec: WeightSpec) -> Callable[[], bool]:
         refs = self.group.submit(EngineWorker.receive_weights, [(spec,)] * self._gen.dp_size)
         return lambda: self.group.get(refs)[0]
+
+    # ---- a replaced engine (rollgen.distributed.fleet) -------------------------------------------
+    def drop(self, engine: int) -> None:
+        """Engine ``engine`` is out of service: later updates skip it (its channels close)."""
+        if self.channels:
+            channel.close([self.channels.channels[engine]])
+            self.channels.channels[engine] = []
+
+    def adopt(self, engine: int, buckets: Iterable[WeightBucket]) -> None:
+        """Bring the new engine ``engine`` (still out of service) to the current weights: load
+        ``buckets`` (the last one resets its prefix cache) through its actor, then connect its
+        refit channels. The kept layouts (staging buffers, tensors read in place) start afresh
+        on every engine, so none holds a handle the new one lacks."""
+        self.release()
+        self.channels.forget()
+        worker, name = self.group.workers[engine], self.group.names[engine]
+        todo = list(buckets)
+        for n, bucket in enumerate(todo, 1):
+            ref = worker.apply_bucket.remote("", pickle.dumps(bucket), bucket.transport, n == len(todo))
+            self.group.get([ref], names=[name])
+        if self.channels:
+            addresses = self.group.get([worker.open_channels.remote(self._authkey)], names=[name])[0]
+            opened = channel.connect([addresses], self._authkey, [name]) if addresses else []
+            if opened:
+                self.channels.channels[engine] = opened[0]
+            else:  # an engine without channels: every update goes through the actors
+                logger.warning(
+                    "%s: %s opened no refit channel; refits go through the actors", self._gen.name, name
+                )
+                self.channels.close()
 
     # ---- what refits keep -------------------------------------------------------------------------
     def release(self) -> None:

@@ -83,6 +83,9 @@ class RayWorkerGroup:
         self.groups = tied_groups(cluster.bundles_per_node, tp_size)
         self.names = [f"{name_prefix}-dp{i}" for i in range(len(self.groups))]
         self.workers: list[Any] = []
+        #: Engines out of service (dead, or a replacement not yet admitted): calls skip them.
+        self.out: set[int] = set()
+        self._builder, self._options = builder, []
         pgs = cluster.get_placement_groups()
         resources = leader_resources or {"num_cpus": cluster.cpus_per_bundle / 2}
         started = False
@@ -97,6 +100,7 @@ class RayWorkerGroup:
                     "max_concurrency": 1,
                     **resources,
                 }
+                self._options.append(options)
                 self.workers.append(builder.build(options, group, i))
                 if one_at_a_time:
                     self.get([self.workers[-1].__ray_ready__.remote()], names=[self.names[i]])
@@ -112,16 +116,31 @@ class RayWorkerGroup:
     def dp_size(self) -> int:
         return len(self.workers)
 
+    @property
+    def live(self) -> list[int]:
+        """The engines in service, in order (all of them unless some are ``out``)."""
+        return [i for i in range(len(self.workers)) if i not in self.out]
+
     def call_all(self, method: Callable[..., Any], *args: Any) -> list[Any]:
-        """Call ``method`` on every leader and wait; typed errors come back as themselves."""
+        """Call ``method`` on every leader in service and wait; typed errors come back as
+        themselves."""
         return self.get(self.submit(method, [args] * len(self.workers)))
 
     def submit(self, method: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Start ``method`` on every leader, leader i with ``args[i]``; returns the refs for
-        ``get``."""
+        """Start ``method`` on every leader in service, leader i with ``args[i]``; returns the
+        refs for ``get``."""
         if len(args) != len(self.workers):
             raise ValueError(f"{len(args)} argument tuples for {len(self.workers)} workers")
-        return [getattr(w, method.__name__).remote(*a) for w, a in zip(self.workers, args)]
+        return [getattr(self.workers[i], method.__name__).remote(*args[i]) for i in self.live]
+
+    def restart(self, index: int, ready: Callable[..., Any]) -> Any:
+        """End engine ``index``'s actor (its tied group goes with it) and start a new one on the
+        same bundles; it stays ``out`` until the caller admits it. Returns the ref of its
+        ``ready`` method's answer (which comes once it has started)."""
+        self.out.add(index)
+        ray.kill(self.workers[index], no_restart=True)
+        self.workers[index] = self._builder.build(self._options[index], self.groups[index], index)
+        return getattr(self.workers[index], ready.__name__).remote()
 
     def call_sharded(self, method: Callable[..., Any], shards: Sequence[Sized]) -> list[Any]:
         """Leader i gets ``shards[i]``; empty shards are not sent. Results in shard order."""
@@ -138,7 +157,7 @@ class RayWorkerGroup:
         crash becomes a WorkerError with the remote traceback; rollgen's own typed errors pass
         through. The first failure is raised as soon as it arrives, without waiting for the
         other workers."""
-        names = names or self.names
+        names = names or [self.names[i] for i in self.live]
         pending = dict(zip(refs, names))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:

