@@ -770,8 +770,26 @@ class BaseGeneration(ABC):
         them itself)."""
 
     # ---- shutdown -----------------------------------------------------------------------------
-    @serialised
+    #: Seconds ``shutdown`` waits for a call in progress before it shuts down without it (None:
+    #: for ever). Engines in other processes, which shutdown kills, set it: the call then fails.
+    shutdown_wait_s: ClassVar[float | None] = None
+
     def shutdown(self) -> None:
+        wait_s = self.shutdown_wait_s
+        locked = self._lock.acquire(timeout=-1 if wait_s is None else wait_s)
+        if not locked:
+            logger.warning(
+                "%s: a call still runs after %.0f s; shutting down without waiting for it (it fails)",
+                self.name,
+                wait_s,
+            )
+        try:
+            self._close()
+        finally:
+            if locked:
+                self._lock.release()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True

@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 #: Seconds the driver waits for engines to let go of staging buffers (on release, or after a
 #: bucket failed on one engine while others still read it).
 STAGED_WAIT_S = 60.0
+#: Seconds ``shutdown`` waits for a call in progress, and then for the engines' own cleanup,
+#: before it kills what has not answered.
+SHUTDOWN_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ class RayGeneration(BaseGeneration):
     engines_in_process: ClassVar[bool] = False
     #: The ranks each engine joins a weight-sync group with (None: one per tensor-parallel rank).
     sync_ranks_per_engine: ClassVar[int | None] = None
+    shutdown_wait_s: ClassVar[float | None] = SHUTDOWN_WAIT_S
 
     def __init__(
         self, config: Mapping[str, Any], cluster: RayVirtualCluster | None = None, backend: Any = None
@@ -182,6 +186,7 @@ class RayGeneration(BaseGeneration):
             #: alone from then on).
             self._channels = self._open_channels()
             self._held: list[dict[str, None]] = [{} for _ in range(self.dp_size)]
+            self.group.call_timeout_s = self.plan.spec.engine["call_timeout_s"]
             on_failure.pop_all()
         #: Where ``refit`` packs over CUDA IPC, when every worker reports its GPUs; and its
         #: refits in place, where the backend has them.
@@ -460,7 +465,7 @@ class RayGeneration(BaseGeneration):
             dispatcher.close()
         group = getattr(self, "group", None)
         if group is not None:
-            group.shutdown(EngineWorker.shutdown)
+            group.shutdown(EngineWorker.shutdown, self.shutdown_wait_s or SHUTDOWN_WAIT_S)
             here = ray.get_runtime_context().get_node_id()
             wait_for_exit([i["pid"] for i in getattr(self, "engine_info", []) if i["node"] == here])
         if self._own_cluster and getattr(self, "cluster", None) is not None:
