@@ -71,13 +71,31 @@ def test_seeded_long_prompts_stream(seeded, long_prompts: dict) -> None:
 def test_a_keep_update_continues_seeded_long_samples(seeded, long_prompts: dict, model_dir: str) -> None:
     """A ``keep`` refit with seeded samples of long prompts running: each continues from its
     prompt plus its tokens (a longer prefill again) and ends as usual."""
+    policy, version = load_reference_model(model_dir), seeded.weight_version
     rollout = seeded.submit({**long_prompts, "max_new_tokens": torch.full((64,), 40)})
-    version = seeded.weight_version
-    seeded.refit(load_reference_model(model_dir), mode="keep")
+    seeded.refit(policy, mode="keep")
     results = rollout.wait()
     assert all(r.stop_reason != "aborted" for r in results)
     assert all(len(r.token_ids) == len(r.logprobs) for r in results)
     assert seeded.weight_version == version + 1
+
+
+def test_a_replica_that_dies_under_a_streamed_rollout_ends_the_generation(
+    seeded, short_prompts: dict
+) -> None:
+    """One of two replicas killed while a rollout streams: the rollout fails, ``usable`` is
+    False and ``generate`` raises the death, as after any worker's death. (The module's last
+    use of ``seeded``.)"""
+    n = short_prompts["input_ids"].shape[0]
+    rollout = seeded.submit({**short_prompts, "max_new_tokens": torch.full((n,), 200)})
+    assert not rollout.done
+    ray.kill(seeded.group.workers[1], no_restart=True)
+    with pytest.raises(rollgen.RollgenError, match="rollgen-vllm-dp1"):
+        rollout.wait()
+    assert not seeded.usable
+    with pytest.raises(WorkerError, match="rollgen-vllm-dp1") as info:
+        seeded.generate(short_prompts)
+    assert info.value.died
 
 
 def wedging(model_dir: str, **engine: object):

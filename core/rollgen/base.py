@@ -58,8 +58,7 @@ def serialised(method: _Method) -> _Method:
             try:
                 return method(self, *args, **kwargs)
             except WorkerError as exc:
-                if exc.died and self._dead is None:
-                    self._dead = exc
+                self._worker_failed(exc)
                 raise
 
     return cast(_Method, locked)
@@ -168,6 +167,12 @@ class BaseGeneration(ABC):
         """False once the generation was shut down or one of its engine workers died."""
         return not self._closed and self._dead is None
 
+    def _worker_failed(self, error: WorkerError) -> None:
+        """A worker failed (in a call, or while streaming samples): if it died, the generation
+        ends with it (later calls raise that death at once)."""
+        if error.died and self._dead is None:
+            self._dead = error
+
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosed(f"{self.name} generation was shut down; create a new one")
@@ -193,6 +198,7 @@ class BaseGeneration(ABC):
     # ---- generation ---------------------------------------------------------------------------
     @serialised
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        self._check_open()
         self._check_idle("generate")
         batch, params = self._prepare(data, greedy)
         if batch.size == 0:

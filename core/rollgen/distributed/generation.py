@@ -170,7 +170,10 @@ class RayGeneration(BaseGeneration):
             )
             self.engine_info = self.group.call_all(EngineWorker.ready)
             self._dispatcher = SampleDispatcher(
-                self.group, [info["capacity"] for info in self.engine_info], self._streams.deliver
+                self.group,
+                [info["capacity"] for info in self.engine_info],
+                self._streams.deliver,
+                self._worker_failed,
             )
             self.updates  # noqa: B018 - its link opens the engines' refit channels now
             self.group.call_timeout_s = self.plan.spec.engine["call_timeout_s"]
