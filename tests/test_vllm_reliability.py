@@ -80,6 +80,27 @@ def test_a_keep_update_continues_seeded_long_samples(seeded, long_prompts: dict,
     assert seeded.weight_version == version + 1
 
 
+def test_an_abort_update_ends_only_the_samples_that_started(
+    seeded, short_prompts: dict, model_dir: str
+) -> None:
+    """``abort`` ends the samples running on the engines (``MAX_NUM_SEQS`` each at most); those
+    still waiting on the driver for a replica start under the new weights."""
+    n, slots = short_prompts["input_ids"].shape[0], MAX_NUM_SEQS * seeded.dp_size
+    assert n > slots
+    policy, version = load_reference_model(model_dir), seeded.weight_version
+    rollout = seeded.submit({**short_prompts, "max_new_tokens": torch.full((n,), 64)})
+    seeded.refit(policy, mode="abort")
+    results = rollout.wait()
+    aborted = [r for r in results if r.stop_reason == "aborted"]
+    assert len(aborted) <= slots, f"{len(aborted)} aborted, but only {slots} can have started"
+    assert all(r.versions == ((version, 0),) for r in aborted)
+    # every sample ran to its end before the update, was aborted, or started after it
+    ended_before = [r for r in results if r.stop_reason != "aborted" and r.versions == ((version, 0),)]
+    later = [r for r in results if r.versions == ((version + 1, 0),)]
+    assert len(ended_before) + len(aborted) + len(later) == n
+    assert all(r.token_ids and r.stop_reason != "aborted" for r in later)
+
+
 def test_a_replica_that_dies_under_a_streamed_rollout_ends_the_generation(
     seeded, short_prompts: dict
 ) -> None:

@@ -48,13 +48,15 @@ class SampleRequest:
 @dataclass(frozen=True)
 class FinishedSample:
     """A backend's report of one sample that ended: its generated tokens and their logprobs;
-    ``aborted`` when it ended because it was asked to; ``error`` when the engine failed it."""
+    ``aborted`` when it ended because it was asked to; ``error`` when the engine failed it;
+    ``started`` False when no engine had started it (it waited on the driver for one with room)."""
 
     key: str
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     aborted: bool = False
     error: str | None = None
+    started: bool = True
 
 
 @dataclass(frozen=True)
@@ -332,7 +334,8 @@ class Streams:
         elif not f.aborted or sample.ending is None or (complete and sample.ending == "continue"):
             end = len(sample.prompt_ids) + len(tokens)
             self._finish(sample, self._stop_reason(params, end, tokens))
-        elif sample.ending == "continue":
+        elif sample.ending == "continue" or (sample.ending == "aborted" and self._updating and not f.started):
+            # an update's abort ends the samples that run; one that never started starts after it
             sample.attempt += 1
             self._held.append(sample)
         else:

@@ -67,7 +67,7 @@ class SampleDispatcher:
             for i, engine_keys in by_engine.items():
                 self._calls[self.group.workers[i].abort_samples.remote(engine_keys)] = i
         if waiting:
-            self.deliver([FinishedSample(r.key, (), (), aborted=True) for r in waiting])
+            self.deliver([FinishedSample(r.key, (), (), aborted=True, started=False) for r in waiting])
 
     def close(self) -> None:
         with self._lock:
