@@ -58,8 +58,7 @@ def serialised(method: _Method) -> _Method:
             try:
                 return method(self, *args, **kwargs)
             except WorkerError as exc:
-                if exc.died and self._dead is None:
-                    self._dead = exc
+                self._worker_failed(exc)
                 raise
 
     return cast(_Method, locked)
@@ -168,6 +167,12 @@ class BaseGeneration(ABC):
         """False once the generation was shut down or one of its engine workers died."""
         return not self._closed and self._dead is None
 
+    def _worker_failed(self, error: WorkerError) -> None:
+        """A worker failed (in a call, or while streaming samples): if it died, the generation
+        ends with it (later calls raise that death at once)."""
+        if error.died and self._dead is None:
+            self._dead = error
+
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosed(f"{self.name} generation was shut down; create a new one")
@@ -193,6 +198,7 @@ class BaseGeneration(ABC):
     # ---- generation ---------------------------------------------------------------------------
     @serialised
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        self._check_open()
         self._check_idle("generate")
         batch, params = self._prepare(data, greedy)
         if batch.size == 0:
@@ -554,8 +560,26 @@ class BaseGeneration(ABC):
         them itself)."""
 
     # ---- shutdown -----------------------------------------------------------------------------
-    @serialised
+    #: Seconds ``shutdown`` waits for a call in progress before it shuts down without it (None:
+    #: for ever). Engines in other processes, which shutdown kills, set it: the call then fails.
+    shutdown_wait_s: ClassVar[float | None] = None
+
     def shutdown(self) -> None:
+        wait_s = self.shutdown_wait_s
+        locked = self._lock.acquire(timeout=-1 if wait_s is None else wait_s)
+        if not locked:
+            logger.warning(
+                "%s: a call still runs after %.0f s; shutting down without waiting for it (it fails)",
+                self.name,
+                wait_s,
+            )
+        try:
+            self._close()
+        finally:
+            if locked:
+                self._lock.release()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True

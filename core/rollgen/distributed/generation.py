@@ -30,6 +30,10 @@ from rollgen.rollout import SampleRequest
 
 logger = logging.getLogger(__name__)
 
+#: Seconds ``shutdown`` waits for a call in progress, and then for the engines' own cleanup,
+#: before it kills what has not answered.
+SHUTDOWN_WAIT_S = 60.0
+
 
 @dataclass(frozen=True)
 class EnginePlan:
@@ -131,6 +135,7 @@ class RayGeneration(BaseGeneration):
     engines_in_process: ClassVar[bool] = False
     #: The ranks each engine joins a weight-sync group with (None: one per tensor-parallel rank).
     sync_ranks_per_engine: ClassVar[int | None] = None
+    shutdown_wait_s: ClassVar[float | None] = SHUTDOWN_WAIT_S
 
     def __init__(
         self, config: Mapping[str, Any], cluster: RayVirtualCluster | None = None, backend: Any = None
@@ -165,9 +170,13 @@ class RayGeneration(BaseGeneration):
             )
             self.engine_info = self.group.call_all(EngineWorker.ready)
             self._dispatcher = SampleDispatcher(
-                self.group, [info["capacity"] for info in self.engine_info], self._streams.deliver
+                self.group,
+                [info["capacity"] for info in self.engine_info],
+                self._streams.deliver,
+                self._worker_failed,
             )
             self.updates  # noqa: B018 - its link opens the engines' refit channels now
+            self.group.call_timeout_s = self.plan.spec.engine["call_timeout_s"]
             on_failure.pop_all()
         logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, self.engine_info[0])
 
@@ -267,7 +276,7 @@ class RayGeneration(BaseGeneration):
             dispatcher.close()
         group = getattr(self, "group", None)
         if group is not None:
-            group.shutdown(EngineWorker.shutdown)
+            group.shutdown(EngineWorker.shutdown, self.shutdown_wait_s or SHUTDOWN_WAIT_S)
             here = ray.get_runtime_context().get_node_id()
             wait_for_exit([i["pid"] for i in getattr(self, "engine_info", []) if i["node"] == here])
         if self._own_cluster and getattr(self, "cluster", None) is not None:

@@ -14,7 +14,13 @@ from typing import Any
 import torch
 
 from rollgen.errors import RefitError
-from rollgen.refit.checks import check_bucket_bytes, require_finite
+from rollgen.refit.checks import (
+    check_bucket_bytes,
+    check_dtype,
+    check_readable,
+    check_source,
+    require_finite,
+)
 from rollgen.refit.cuda_ipc import InPlaceViews, IpcHandle, gpu_entry, ipc_handles, mapped
 from rollgen.refit.meta import TensorMeta, Transport, flat_offsets, flatten, module_group, unflatten
 
@@ -178,11 +184,15 @@ def bucket_groups(
     bucket_bytes: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The named tensors of each bucket ``iter_buckets`` packs (module groups kept whole)."""
+    """The named tensors of each bucket ``iter_buckets`` packs (module groups kept whole), once
+    the source and the arguments passed their checks."""
+    check_source(source)
     check_bucket_bytes(bucket_bytes)
+    check_dtype(dtype)
+    named = list(named_tensors(source))
+    check_readable(named)
     if bucket_bytes is None:
         bucket_bytes = default_bucket_bytes(source)
-    named = list(named_tensors(source))
     for group in grouped(named, bucket_bytes, dtype):
         yield [named[i] for i in group]
 

@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from rollgen.refit.bucket import WeightBucket
 
 
+#: The dtypes a refit may cast to (``dtype=``): the engines' weight dtypes.
+CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def check_source(source: Any) -> None:
     """RefitError unless ``source`` is a module or a mapping of names to torch tensors."""
     if isinstance(source, torch.nn.Module):
@@ -27,6 +31,26 @@ def check_source(source: Any) -> None:
     bad = [str(k) for k, v in source.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor))]
     if bad:
         raise RefitError("a state dict maps parameter names to torch tensors; these entries do not", bad)
+
+
+def check_readable(named: Named) -> None:
+    """RefitError unless every tensor of a source holds values (none is on the meta device)."""
+    empty = [name for name, tensor in named if tensor.is_meta]
+    if empty:
+        raise RefitError(
+            "these tensors are on the meta device and hold no values; materialise them first "
+            "(e.g. module.to_empty(device=...), then load their weights)",
+            empty,
+        )
+
+
+def check_dtype(dtype: Any) -> None:
+    """RefitError unless ``dtype`` (a refit's cast) is None or one of ``CAST_DTYPES``."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype in CAST_DTYPES):
+        hint = f" (pass torch.{dtype})" if isinstance(dtype, str) and hasattr(torch, dtype) else ""
+        raise RefitError(
+            f"dtype must be None (no cast) or one of {', '.join(map(str, CAST_DTYPES))}, got {dtype!r}{hint}"
+        )
 
 
 def check_bucket_bytes(bucket_bytes: Any) -> None:
