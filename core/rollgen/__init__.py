@@ -37,6 +37,17 @@ from rollgen.weight_sync import SyncGroupSpec, WeightSender
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``rollgen.serve`` (``rollgen.serving.serve``), imported on first use: it needs the
+    ``serve`` extra."""
+    if name == "serve":
+        from rollgen.serving import serve
+
+        return serve
+    raise AttributeError(f"module 'rollgen' has no attribute {name!r}")
+
+
 __all__ = [
     "SPEC_VERSION",
     "Backend",
@@ -75,4 +86,5 @@ __all__ = [
     "iter_buckets",
     "merge_buckets",
     "pack_bucket",
+    "serve",
 ]

@@ -1,0 +1,246 @@
+"""``rollgen.serve`` over the hf backend on the tiny model, driven by the official openai SDK:
+the OpenAI surface, the token-in/token-out fields, sessions, auth and errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+import rollgen
+from rollgen.errors import ConfigError, UnsupportedCapability
+from rollgen.serving import HermesToolParser, Limits
+from rollgen.testing import tiny_config
+
+KEY = "test-key-" + "0" * 24
+PROMPT = "count: 3 4 5"
+
+
+@pytest.fixture(scope="module")
+def gen() -> Iterator[Any]:
+    with rollgen.create_generation(tiny_config("hf", max_new_tokens=8, seed=0)) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def server(gen: Any) -> Iterator[Any]:
+    with rollgen.serve(gen, api_key=KEY, limits=Limits(max_body_bytes=64 * 1024)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0)
+
+
+def ext(choice: Any) -> dict[str, Any]:
+    """A choice's rollgen extension field."""
+    return dict(choice.model_extra["rollgen"])
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, server: Any, gen: Any) -> None:
+    (model,) = client.models.list().data
+    assert model.id == server.model_id
+    assert model.model_extra["max_model_len"] == gen.max_model_len
+    assert model.model_extra["backend"] == "hf" and "async" in model.model_extra["capabilities"]
+
+
+def test_completion_is_the_engines_generation(client: openai.OpenAI, server: Any, gen: Any) -> None:
+    """Greedy text and token ids over the wire equal the in-process greedy generate."""
+    ids = gen.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    done = client.completions.create(model=server.model_id, prompt=PROMPT, temperature=0, logprobs=0)
+    (choice,) = done.choices
+    fields = ext(choice)
+    batch = {"input_ids": torch.tensor([ids]), "input_lengths": torch.tensor([len(ids)])}
+    out = gen.generate(batch, greedy=True)
+    n = int(out["generation_lengths"][0])
+    assert fields["prompt_token_ids"] == ids
+    assert fields["token_ids"] == out["output_ids"][0, len(ids) : len(ids) + n].tolist()
+    assert fields["logprobs"] == pytest.approx(out["logprobs"][0, len(ids) : len(ids) + n].tolist(), abs=1e-5)
+    assert fields["logprobs_mode"] == "raw"
+    assert fields["versions"] == [{"version": gen.weight_version, "start": 0, "end": n}]
+    assert choice.text == gen.tokenizer.decode(fields["token_ids"], skip_special_tokens=True)
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs == fields["logprobs"]
+    assert choice.finish_reason == {"eos": "stop", "length": "length"}[fields["stop_reason"]]
+    assert done.usage is not None and done.usage.prompt_tokens == len(ids)
+    by_ids = client.completions.create(model=server.model_id, prompt=ids, temperature=0)
+    assert ext(by_ids.choices[0])["token_ids"] == fields["token_ids"]
+
+
+def test_seeded_choices_repeat_and_budget_holds(client: openai.OpenAI, server: Any) -> None:
+    def ask() -> list[list[int]]:
+        done = client.chat.completions.create(
+            model=server.model_id,
+            messages=[{"role": "user", "content": PROMPT}],
+            n=3,
+            seed=11,
+            temperature=1.0,
+            max_completion_tokens=5,
+            extra_body={"top_k": 20},
+        )
+        assert [c.index for c in done.choices] == [0, 1, 2]
+        return [ext(c)["token_ids"] for c in done.choices]
+
+    first = ask()
+    assert first == ask()
+    assert all(1 <= len(t) <= 5 for t in first)
+
+
+def test_streamed_chat_matches_the_unstreamed(client: openai.OpenAI, server: Any) -> None:
+    messages: Any = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model=server.model_id, messages=messages, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model_id,
+            messages=messages,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == whole.choices[0].message.content
+    finished = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finished] == [whole.choices[0].finish_reason]
+    assert ext(finished[0].choices[0])["token_ids"] == ext(whole.choices[0])["token_ids"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == whole.usage.total_tokens  # type: ignore[union-attr]
+
+
+def test_async_client_runs_requests_at_once(server: Any) -> None:
+    async def run() -> list[Any]:
+        aclient = openai.AsyncOpenAI(base_url=server.url, api_key=KEY, max_retries=0)
+        asks = [
+            aclient.completions.create(model=server.model_id, prompt=f"count: {i} {i + 1}", temperature=0)
+            for i in range(4)
+        ]
+        return list(await asyncio.gather(*asks))
+
+    done = asyncio.run(run())
+    assert all(ext(d.choices[0])["prompt_token_ids"] for d in done)
+    assert len({tuple(ext(d.choices[0])["prompt_token_ids"]) for d in done}) == 4
+
+
+def test_session_keeps_the_engines_tokens(client: openai.OpenAI, server: Any, gen: Any) -> None:
+    """Two turns sampled hot (random tokens, which BPE would merge otherwise): each prompt is
+    the session's tokens so far plus only the new message; the session's tokens differ from a
+    retokenization of its text, and read back exactly."""
+    tok = gen.tokenizer
+    messages: list[Any] = [{"role": "user", "content": "abc: a b c"}]
+    sid = "session-drift"
+    seen: list[int] = []
+    turns = []
+    for i, follow in enumerate(["count: 7 8", "abc: k l"]):
+        done = client.chat.completions.create(
+            model=server.model_id,
+            messages=messages,
+            temperature=3.0,
+            seed=5 + i,
+            max_tokens=6,
+            extra_body={"session_id": sid},
+        )
+        fields = ext(done.choices[0])
+        assert fields["prompt_token_ids"][: len(seen)] == seen, "a turn's prompt starts with the session"
+        seen = fields["prompt_token_ids"] + fields["token_ids"]
+        turns.append(fields)
+        messages += [
+            {"role": "assistant", "content": done.choices[0].message.content},
+            {"role": "user", "content": follow},
+        ]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    session = httpx.get(f"{server.url}/sessions/{sid}", headers=auth).json()
+    assert session["token_ids"] == seen
+    generated = [i for i, m in enumerate(session["loss_mask"]) if m]
+    assert [session["token_ids"][i] for i in generated] == turns[0]["token_ids"] + turns[1]["token_ids"]
+    assert [session["logprobs"][i] for i in generated] == turns[0]["logprobs"] + turns[1]["logprobs"]
+    assert all(session["logprobs"][i] is None for i, m in enumerate(session["loss_mask"]) if not m)
+    assert sum(s["end"] - s["start"] for s in session["versions"]) == len(generated)
+    retokenized = tok(tok.decode(session["token_ids"]), add_special_tokens=False)["input_ids"]
+    assert retokenized != session["token_ids"], "pick a conversation whose text retokenizes differently"
+    gone = httpx.delete(f"{server.url}/sessions/{sid}", headers=auth)
+    assert gone.status_code == 200 and gone.json()["token_ids"] == seen
+    assert httpx.get(f"{server.url}/sessions/{sid}", headers=auth).status_code == 404
+
+
+def test_session_refuses_a_changed_history(client: openai.OpenAI, server: Any) -> None:
+    first: list[Any] = [{"role": "user", "content": "count: 1 2"}]
+    done = client.chat.completions.create(
+        model=server.model_id, messages=first, max_tokens=3, extra_body={"session_id": "branch"}
+    )
+    changed = [
+        {"role": "user", "content": "count: 9"},
+        done.choices[0].message.model_dump(exclude_none=True),
+        {"role": "user", "content": "abc: a"},
+    ]
+    with pytest.raises(openai.BadRequestError, match="not the one the session holds"):
+        client.chat.completions.create(
+            model=server.model_id, messages=changed, max_tokens=3, extra_body={"session_id": "branch"}
+        )
+
+
+def test_tool_calls_are_parsed() -> None:
+    """The built-in parser on the text a Hermes/Qwen-style model writes (the tiny model writes
+    no tool calls of its own)."""
+    text = 'Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    rest, calls = HermesToolParser().parse(text)
+    assert rest == "Let me add."
+    assert [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1, "b": 2}')]
+    broken = "<tool_call>{not json}</tool_call>"
+    assert HermesToolParser().parse(broken) == (broken, [])
+
+
+def test_chat_with_tools_renders_them(client: openai.OpenAI, server: Any) -> None:
+    tools: Any = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    plain = client.chat.completions.create(
+        model=server.model_id, messages=[{"role": "user", "content": PROMPT}], max_tokens=2
+    )
+    offered = client.chat.completions.create(
+        model=server.model_id, messages=[{"role": "user", "content": PROMPT}], max_tokens=2, tools=tools
+    )
+    extra = len(ext(offered.choices[0])["prompt_token_ids"]) - len(ext(plain.choices[0])["prompt_token_ids"])
+    assert extra > 10, "the template's tool block is in the prompt"
+
+
+def test_auth_is_required(server: Any) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url, api_key="wrong-" + "x" * 20, max_retries=0).models.list()
+    bare = httpx.get(f"{server.url}/models")
+    assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_errors_are_openai_json(client: openai.OpenAI, server: Any, gen: Any) -> None:
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(
+            model=server.model_id, messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3
+        )
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="another-model", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=server.model_id, prompt=[5] * gen.max_model_len)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=server.model_id, prompt="x", temperature=-1)
+    big = httpx.post(
+        f"{server.url}/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": server.model_id, "prompt": "x" * 70_000},
+    )
+    assert big.status_code == 413 and "max_body_bytes" in big.json()["error"]["message"]
+
+
+def test_a_backend_without_async_is_refused() -> None:
+    with rollgen.create_generation(tiny_config("example", max_new_tokens=2)) as example:
+        with pytest.raises(UnsupportedCapability, match="'async'"):
+            rollgen.serve(example, api_key=KEY).__enter__()
+
+
+def test_auth_off_only_on_loopback(gen: Any) -> None:
+    with pytest.raises(ConfigError, match="loopback"):
+        rollgen.serving.Server(gen, host="0.0.0.0", require_api_key=False)
+    with rollgen.serve(gen, require_api_key=False) as open_server:
+        assert httpx.get(f"{open_server.url}/models").status_code == 200
+    generated = rollgen.serving.Server(gen)
+    assert generated.api_key and len(generated.api_key) >= 32
