@@ -22,8 +22,7 @@ EOS, PAD = "<|endoftext|>", "<|pad|>"
 #: A ChatML-style template (turns end with the EOS token) that offers ``tools`` in a system turn and
 #: writes an assistant's tool calls as JSON in ``<tool_call>`` tags, as Hermes and Qwen templates do.
 CHAT_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nTools:\n<tools>\n{% for t in tools %}{{ t | tojson }}\n"
-    '{% endfor %}</tools>\nCall one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
     "<|endoftext|>\n{% endif %}"
     "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
     "{% if m.content %}{{ m.content }}{% endif %}"

@@ -1,0 +1,108 @@
+"""An agent loop against ``rollgen.serve``, written as agent code is: the official openai client,
+a tool, several turns, one session per episode. The trainer, in the same process, refits between
+episodes; afterwards it reads each session back (``GET /v1/sessions/{id}``) and checks that the
+tokens it would train on are exactly the engine's (teacher-forced logprobs of the weights of each
+token's version agree with the logprobs the engine returned).
+
+    python examples/agent_loop.py [--backend hf] [--episodes 2] [--turns 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import httpx
+import openai
+import torch
+
+import rollgen
+from rollgen.testing import load_reference_model, teacher_forced_logprobs
+from rollgen.testing.config import tiny_config
+from rollgen.testing.tiny_model import tiny_model_dir
+
+#: A tool, kept short: the tiny model's context is 256 tokens, and its tokenizer spends about one
+#: on each character of JSON.
+TOOLS: Any = [{"type": "function", "function": {"name": "next_numbers"}}]
+
+
+def next_numbers(n: int) -> str:
+    return " ".join(str(n + i) for i in range(1, 4))
+
+
+def episode(client: openai.OpenAI, model: str, session: str, turns: int, seed: int) -> None:
+    """One conversation: the model's reply; its tool calls answered by the tool; else the
+    environment's next observation as a user message (the tiny model calls no tools itself)."""
+    messages: list[Any] = [{"role": "user", "content": "count: 3 4 5"}]
+    for turn in range(turns):
+        done = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=TOOLS,
+            max_tokens=8,
+            temperature=1.0,
+            seed=seed + turn,
+            extra_body={"session_id": session},
+        )
+        reply = done.choices[0].message
+        messages.append(reply.model_dump(exclude_none=True))
+        for call in reply.tool_calls or []:
+            args = json.loads(call.function.arguments or "{}")  # type: ignore[union-attr]
+            answer = next_numbers(int(args.get("n", 0)))
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
+        if not reply.tool_calls:
+            messages.append({"role": "user", "content": f"count: {10 * (turn + 1)} {10 * (turn + 1) + 1}"})
+
+
+def check(session: dict[str, Any], weights: dict[int, Any]) -> float:
+    """The largest |Δlogp| between the engine's logprobs and the trainer's teacher-forced ones
+    (each generated token under the weights of its version)."""
+    ids = torch.tensor([session["token_ids"]])
+    mask = torch.tensor([session["loss_mask"]], dtype=torch.bool)
+    worst = 0.0
+    for span in session["versions"]:
+        ref = teacher_forced_logprobs(
+            weights[span["version"]], ids, torch.tensor([0]), torch.tensor([ids.shape[1]])
+        )
+        for i in range(span["start"], span["end"]):
+            assert mask[0, i], f"position {i} is in a version span but not generated"
+            worst = max(worst, abs(float(ref[0, i]) - session["logprobs"][i]))
+    return worst
+
+
+def main(backend: str, episodes: int, turns: int) -> None:
+    model_dir = tiny_model_dir()
+    trainer = load_reference_model(model_dir)
+    weights: dict[int, Any] = {}
+    with (
+        rollgen.create_generation(tiny_config(backend, dtype="float32")) as gen,
+        rollgen.serve(gen) as server,
+    ):
+        client = openai.OpenAI(base_url=server.url, api_key=server.api_key)
+        auth = {"Authorization": f"Bearer {server.api_key}"}
+        for e in range(episodes):
+            weights[gen.weight_version] = load_reference_model(model_dir)
+            weights[gen.weight_version].load_state_dict(trainer.state_dict())
+            episode(client, server.model_id, f"episode-{e}", turns, seed=100 * e)
+            with torch.no_grad():  # a stand-in training step: the next episode's weights differ
+                for p in trainer.parameters():
+                    p.mul_(0.98)
+            gen.refit(trainer, mode="keep")
+        for e in range(episodes):
+            session = httpx.delete(f"{server.url}/sessions/episode-{e}", headers=auth).json()
+            generated = sum(session["loss_mask"])
+            versions = sorted({s["version"] for s in session["versions"]})
+            print(
+                f"episode {e}: {len(session['token_ids'])} tokens, {generated} generated, versions "
+                f"{versions}, max |logp - teacher-forced| {check(session, weights):.2e}"
+            )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="hf")
+    parser.add_argument("--episodes", type=int, default=2)
+    parser.add_argument("--turns", type=int, default=3)
+    args = parser.parse_args()
+    main(args.backend, args.episodes, args.turns)
