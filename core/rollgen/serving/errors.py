@@ -92,6 +92,11 @@ def install(app: FastAPI, retry_after_s: int) -> None:
         )
         return response(HttpError(400, f"invalid request: {problems}", "invalid_request"), retry_after_s)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return response(HttpError(500, f"internal error: {type(exc).__name__}: {exc}"), retry_after_s)
+
     @app.exception_handler(HTTPException)
     async def _starlette(request: Request, exc: HTTPException) -> JSONResponse:
         return response(HttpError(exc.status_code, str(exc.detail)), retry_after_s)
