@@ -1,5 +1,7 @@
 """rollgen: rollout generation for RL post-training, one contract over many engines."""
 
+from typing import TYPE_CHECKING
+
 from rollgen.api import create_generation
 from rollgen.backend import Backend
 from rollgen.base import BaseGeneration
@@ -34,6 +36,9 @@ from rollgen.spec import (
     GenerationOutputSpec,
 )
 from rollgen.weight_sync import SyncGroupSpec, WeightSender
+
+if TYPE_CHECKING:
+    from rollgen.serving import serve
 
 __version__ = "0.1.0"
 
