@@ -25,7 +25,7 @@ from rollgen.refit import (
     iter_buckets,
     nonfinite,
 )
-from rollgen.staging import RefitStaging, flat_sizes
+from rollgen.refit.staging import RefitStaging, flat_sizes
 
 #: The columns of the printed table.
 COLUMNS = ["path", "bucket_mib", "default", "checked", "gb", "refit_ms", "gb_s", "d2d_copy_ms", "vs_floor"]
@@ -82,7 +82,7 @@ def measure(
     device-to-device copy of the same bytes; the default bucket once more without the NaN and
     infinity check (``check_finite=False``), to state what the check costs. Each refit sends the
     next of ``states`` in turn: one state, refitted again and again, goes in place over CUDA IPC
-    (``rollgen.in_place``); two alternating ones go through the staging buffers. ``path`` names
+    (``rollgen.refit.in_place``); two alternating ones go through the staging buffers. ``path`` names
     which in the rows."""
     state = states[0]
     unique = {t.data_ptr(): t for t in state.values()}.values()
@@ -209,7 +209,7 @@ def breakdown(gen: Any, states: list[dict[str, torch.Tensor]], repeats: int, pat
     actor = gen.group.workers[0]
     rays = [timed(lambda: ray.get(actor.__ray_ready__.remote())) for _ in range(repeats + 1)][1:]
     rpcs = [timed(partial(gen.collective_rpc, "bench_last_load")) for _ in range(repeats)]
-    channels = gen._channels
+    channels = gen.updates.link.channels.channels
     round_trips = [timed(partial(channel_round_trip, channels)) for _ in range(repeats)] if channels else []
     groups = list(bucket_groups(states[0]))
     staging = RefitStaging()

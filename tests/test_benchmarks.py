@@ -248,8 +248,10 @@ def test_benchmark_extension_profiles_and_times_through_collective_rpc(bench_vll
     row = refit.profile(bench_vllm, state, bucket_mib=1)
     assert row["loaded_by"] == "loaded" and row["map_ms"] >= 0 and row["load_ms"] > 0
     assert row["total_ms"] >= row["pack_ms"] and row["bucket_mib"] == 1
-    assert bench_vllm._channels  # open: every bucket goes over them
-    refit.channel_round_trip(bench_vllm._channels)  # the breakdown's floor: loads nothing
+    assert bench_vllm.updates.link.channels.channels  # open: every bucket goes over them
+    refit.channel_round_trip(
+        bench_vllm.updates.link.channels.channels
+    )  # the breakdown's floor: loads nothing
     assert bench_vllm.collective_rpc("bench_last_load")[0][0]["way"] == "loaded"  # the profile's
     driver = refit.driver_profile(bench_vllm, [state], repeats=2)
     assert driver[0]["function"] == "(all profiled)" and driver[0]["own_ms_per_refit"] > 0

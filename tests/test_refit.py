@@ -34,6 +34,7 @@ from rollgen.refit import (
     unflatten,
     unpack_request,
 )
+from rollgen.testing.links import RecordingLink
 
 
 def _receiver(conn) -> None:
@@ -268,27 +269,28 @@ def test_a_rejected_refit_leaves_the_engine_serving(hf_config: dict) -> None:
         assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], before["output_ids"])
 
 
-def test_the_prefix_reset_comes_with_the_last_bucket(hf_config: dict, monkeypatch) -> None:
-    """A refit after a generate hands its last bucket to ``_apply_last_bucket`` (engines reached
-    over a round trip load it and reset the prefix cache in one call), the others to
-    ``_apply_bucket``; a refit after no generate resets nothing."""
+def test_the_prefix_reset_comes_with_the_last_bucket(hf_config: dict) -> None:
+    """A refit after a generate asks the link to load its last bucket with the prefix-cache reset
+    (engines reached over a round trip do both in one call), the others without; a refit after
+    no generate resets nothing; a NaN output makes the next complete refit clear the KV cache."""
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
     with rollgen.create_generation(hf_config) as engine:
-        calls: list[str] = []
-        apply, last = engine._apply_bucket, engine._apply_last_bucket
-        monkeypatch.setattr(engine, "_apply_bucket", lambda b: (calls.append("bucket"), apply(b)))
-        monkeypatch.setattr(engine, "_apply_last_bucket", lambda b: (calls.append("last"), last(b)))
-        monkeypatch.setattr(engine, "_reset_prefix_cache", lambda: calls.append("reset"))
+        link = RecordingLink(engine.updates.link)
+        engine.updates.link = link
         weights = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in engine.weight_spec.items()}
         count = len(list(bucket_groups(weights, 1 << 14)))
         assert count > 2
         engine.generate(batch)
         engine.refit(weights, bucket_bytes=1 << 14)
-        # hf's _apply_last_bucket is the default: the bucket, then the reset
-        assert calls == ["bucket"] * (count - 1) + ["last", "bucket", "reset"]
-        calls.clear()
+        assert link.calls == [("apply", "", False)] * (count - 1) + [("apply", "", True)]
+        link.calls.clear()
         engine.refit(weights, bucket_bytes=1 << 14)
-        assert calls == ["bucket"] * count
+        assert link.calls == [("apply", "", False)] * count
+        link.calls.clear()
+        engine.updates.kv_poisoned = True  # as a generate that returned NaN logprobs leaves it
+        engine.refit(weights, bucket_bytes=1 << 14)
+        assert link.calls == [("apply", "", False)] * count + [("clear",)]
+        assert not engine.updates.kv_poisoned
 
 
 def test_a_kept_layouts_unpacked_tensors_are_held_until_released() -> None:
@@ -390,7 +392,7 @@ def test_the_packed_bytes_check_finds_what_the_per_tensor_check_finds() -> None:
     """Staging buffers are checked with one sum over the packed bytes (their padding included):
     a NaN or infinity in a tensor is named; a NaN pattern left in the padding (another layout's
     bytes), a sum that overflows or mixed dtypes only send it to the exact per-tensor check."""
-    from rollgen.staging import _Layout, _require_finite
+    from rollgen.refit.staging import _Layout, _require_finite
 
     def layout(tensors: list[torch.Tensor]) -> _Layout:
         metas = tuple(TensorMeta.of(n, t) for n, t in zip("abc", tensors))
@@ -421,9 +423,8 @@ def test_in_place_views_rebuild_each_tensor_where_it_lies_in_its_storage() -> No
     storage (slices of one flat tensor, a transposed view, a tensor of its own), sharing its
     bytes. The receiver's mapping of each storage is stood in for by the storage itself (CUDA
     IPC has no CPU form)."""
-    from rollgen import refit
-    from rollgen.in_place import bytes_of, storage_places
-    from rollgen.refit import InPlaceViews, IpcHandle
+    from rollgen.refit import InPlaceViews, IpcHandle, cuda_ipc
+    from rollgen.refit.in_place import bytes_of, storage_places
 
     flat = torch.arange(24, dtype=torch.float32)
     own = torch.randn(2, 3, dtype=torch.bfloat16)
@@ -431,7 +432,7 @@ def test_in_place_views_rebuild_each_tensor_where_it_lies_in_its_storage() -> No
     storages, places = storage_places(named)
     assert len(storages) == 2 and [p[0] for p in places] == [0, 0, 1, 0]
     keys = [f"test:{i}" for i in range(len(storages))]
-    refit._staged.update({k: bytes_of(s) for k, s in zip(keys, storages)})  # the stand-in mappings
+    cuda_ipc._staged.update({k: bytes_of(s) for k, s in zip(keys, storages)})  # the stand-in mappings
     try:
         handles = tuple(IpcHandle(torch.empty, (), k) for k in keys)
         views = InPlaceViews(handles, places).views([TensorMeta.of(n, t) for n, t in named], 0)
@@ -448,8 +449,8 @@ def test_in_place_refits_take_only_the_last_refits_very_tensors(monkeypatch) -> 
     a parameter given new storage, a renamed entry, a view, or a cast do not. The GPU check is
     stood in for (these tensors are on the CPU), and so is the export (CUDA IPC has no CPU
     form): one that fails is a RefitError, and the generation's later refits are staged."""
-    from rollgen import in_place
-    from rollgen.in_place import InPlaceSources
+    from rollgen.refit import in_place
+    from rollgen.refit.in_place import InPlaceSources
 
     model = torch.nn.Linear(3, 2)
     named = lambda: list(model.state_dict().items())  # noqa: E731 - read anew, as refit does
@@ -487,8 +488,8 @@ def test_in_place_refits_check_the_tensors_by_a_check_kept_for_them(monkeypatch,
     the graph, the plain check serves, with a warning."""
     import logging
 
-    from rollgen import in_place
-    from rollgen.in_place import InPlaceSources, _Sources
+    from rollgen.refit import in_place
+    from rollgen.refit.in_place import InPlaceSources, _Sources
 
     made = []
 
@@ -519,6 +520,9 @@ def test_in_place_refits_check_the_tensors_by_a_check_kept_for_them(monkeypatch,
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(in_place, "GraphedCheck", no_graph)
-    with caplog.at_level(logging.WARNING, "rollgen.in_place"), pytest.raises(RefitError, match="hold NaN"):
+    with (
+        caplog.at_level(logging.WARNING, "rollgen.refit.in_place"),
+        pytest.raises(RefitError, match="hold NaN"),
+    ):
         sources.pack(named, 1, True)
     assert "runs unreplayed: operation not permitted" in caplog.text

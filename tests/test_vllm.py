@@ -13,6 +13,7 @@ from rollgen import ConfigError, WorkerError
 from rollgen.distributed import GenerateRequest
 from rollgen.output import generated_mask
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
+from rollgen.testing.links import RecordingLink
 from rollgen.testing.prompts import PROMPTS, encode
 from rollgen.testing.reference import agreement
 
@@ -59,15 +60,14 @@ def test_dp2_equals_dp1(dp1, dp2, batch: dict) -> None:
     assert torch.equal(s1["output_ids"], s2["output_ids"])
 
 
-def test_trainer_loop_logprobs_match_independent_hf(dp2, model_dir: str, batch: dict, monkeypatch) -> None:
+def test_trainer_loop_logprobs_match_independent_hf(dp2, model_dir: str, batch: dict) -> None:
     """generate → update the policy → refit → generate, three times; every step's logprobs are
     what an independent HF model with the trainer's weights computes. Every bucket goes over the
     ranks' refit channels."""
     policy = load_reference_model(model_dir)
     gen = torch.Generator().manual_seed(0)
-    over_channels = []
-    send = dp2._send_over_channels
-    monkeypatch.setattr(dp2, "_send_over_channels", lambda *a: (over_channels.append(a[0]), send(*a)))
+    ray_link = dp2.updates.link
+    link = dp2.updates.link = RecordingLink(ray_link)
     try:
         for step in range(3):
             out = dp2.generate(batch)
@@ -85,9 +85,11 @@ def test_trainer_loop_logprobs_match_independent_hf(dp2, model_dir: str, batch: 
             )
             stats = agreement(out["logprobs"], ref, generated_mask(out, lengths))
             assert stats["max_abs"] < 1e-4, (step, stats)
-        assert [len(ranks) for ranks in dp2._channels] == [1, 1]
-        assert len(over_channels) >= 3 * 2  # three refits of two buckets or more (256 KiB each)
+        assert [len(ranks) for ranks in ray_link.channels.channels] == [1, 1]  # still open: none failed
+        applied = [c for c in link.calls if c[0] == "apply"]
+        assert len(applied) >= 3 * 2  # three refits of two buckets or more (256 KiB each)
     finally:
+        dp2.updates.link = ray_link
         dp2.refit(load_reference_model(model_dir))
 
 

@@ -11,9 +11,9 @@ import torch
 from rollgen.data import BatchedDataDict
 from rollgen.model_info import ModelInfo
 from rollgen.refit import Transport, WeightBucket, WeightSpec
+from rollgen.refit.weight_sync import SyncBackend, SyncGroupSpec
 from rollgen.rollout import Rollout, UpdateMode
 from rollgen.spec import Capability
-from rollgen.weight_sync import SyncBackend, SyncGroupSpec
 
 
 @runtime_checkable

@@ -25,9 +25,9 @@ from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.errors import RollgenError
 from rollgen.output import assemble_from_lists
 from rollgen.refit import WeightBucket, WeightSpec, release_staged
+from rollgen.refit.weight_sync import SyncGroupSpec
 from rollgen.rollout import FinishedSample, SampleRequest
 from rollgen.sampling import SampleParams
-from rollgen.weight_sync import SyncGroupSpec
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class EngineWorker(ABC):
     def open_channels(self, authkey: bytes) -> list[str]:
         """The address of a refit channel to each of this engine's ranks, which loads what
         ``apply_bucket`` loads without the Ray call and the engine's RPC, and a kept layout by
-        name alone (``rollgen.distributed.channel``; ``authkey`` authenticates the driver); empty
+        name alone (``rollgen.refit.channel``; ``authkey`` authenticates the driver); empty
         where the engine has none."""
         return self._open_channels(authkey)
 

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from rollgen.errors import RefitError
+from rollgen.refit.weight_sync import SyncGroupSpec, WeightSender
 from rollgen.testing.reference import load_reference_model
-from rollgen.weight_sync import SyncGroupSpec, WeightSender
 
 #: An update: the weights of a model folder, less the tensor named second (None: complete).
 Update = tuple[str, str | None]

@@ -23,7 +23,7 @@ class VllmCfg(RayEngineCfg):
     #: made the first time, once verified (``rollgen_vllm.load_plan``); false: the loaders every time.
     replay_refit: NotRequired[Annotated[bool, Field(default=True)]]
     #: On GPU, a colocated trainer's refit of the very tensors it refitted last has the engines
-    #: read them in place (``rollgen.in_place``: no staging buffer, one copy) instead of through
+    #: read them in place (``rollgen.refit.in_place``: no staging buffer, one copy) instead of through
     #: the staging buffers; it keeps the source's storages allocated until released (docs/vllm.md).
     refit_in_place: NotRequired[Annotated[bool, Field(default=True)]]
 

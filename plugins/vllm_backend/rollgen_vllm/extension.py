@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from rollgen.distributed.channel import ChannelServer
 from rollgen.distributed.worker import returns_errors
 from rollgen.errors import ConfigError
 from rollgen.refit import WeightSpec, device_uuid, release_staged, unpack_request
-from rollgen.weight_sync import SyncGroup, SyncGroupSpec, receive
+from rollgen.refit.channel import ChannelServer
+from rollgen.refit.weight_sync import SyncGroup, SyncGroupSpec, receive
 from rollgen_vllm import logs
 from rollgen_vllm.load_plan import LoadPlans, LoadWay, bound_parameters
 
@@ -59,7 +59,7 @@ class RollgenWorkerExtension:
         return True
 
     def rollgen_open_channel(self, authkey: bytes, replay: bool) -> str:
-        """Open this rank's refit channel (``rollgen.distributed.channel``), which loads each
+        """Open this rank's refit channel (``rollgen.refit.channel``), which loads each
         request ``(layout, data)`` as ``rollgen_load_request`` does; its address."""
         self.rollgen_channel = ChannelServer(
             lambda request: self.rollgen_load_request(*request, replay), authkey, self.rollgen_device()
@@ -85,7 +85,7 @@ class RollgenWorkerExtension:
         return receive(self.rollgen_sync, weights, lambda named: self.rollgen_load(named, replay))
 
     def rollgen_release_staged(self, keys: list[str]) -> None:
-        """Unmap the trainer's staging buffers ``keys`` (``rollgen.staging``)."""
+        """Unmap the trainer's staging buffers ``keys`` (``rollgen.refit.staging``)."""
         if hasattr(self, "rollgen_load_plans"):
             self.rollgen_load_plans.forget_kept()
         release_staged(keys)

@@ -13,9 +13,9 @@ from typing import Any
 from rollgen.distributed.worker import EngineWorker, WorkerSpec, reraise
 from rollgen.errors import RollgenError
 from rollgen.refit import WeightBucket, WeightSpec
+from rollgen.refit.weight_sync import SyncGroupSpec
 from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
-from rollgen.weight_sync import SyncGroupSpec
 from rollgen_vllm import logs
 from rollgen_vllm.extension import EXTENSION, RollgenWorkerExtension
 

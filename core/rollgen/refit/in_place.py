@@ -5,7 +5,7 @@ kept, so a refit copies each byte once (into the engines' parameters), with no s
 very tensors of the refit before it (the same names, storages, places, shapes and strides: a
 trainer's parameters, which its optimizer updates in place), contiguous, all on the one GPU
 every engine runs on, none empty, and nothing is cast. Otherwise it packs into the staging
-buffers (``rollgen.staging``) and notes the source, so the next refit of the same tensors goes
+buffers (``rollgen.refit.staging``) and notes the source, so the next refit of the same tensors goes
 in place. Each engine worker gets its own export of each storage, made once, before anything is
 sent (torch pairs an export with one receiver's mapping); a storage torch cannot export (memory
 of another allocator) ends the refit with a ``RefitError`` before anything is sent, and later
@@ -30,17 +30,10 @@ from typing import cast
 import torch
 
 from rollgen.errors import RefitError
-from rollgen.refit import (
-    GraphedCheck,
-    InPlaceViews,
-    IpcHandle,
-    Named,
-    TensorMeta,
-    WeightBucket,
-    device_uuid,
-    nonfinite,
-    reject_nonfinite,
-)
+from rollgen.refit.bucket import WeightBucket
+from rollgen.refit.checks import GraphedCheck, nonfinite, reject_nonfinite
+from rollgen.refit.cuda_ipc import InPlaceViews, IpcHandle, device_uuid
+from rollgen.refit.meta import Named, TensorMeta
 
 logger = logging.getLogger(__name__)
 

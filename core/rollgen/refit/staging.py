@@ -17,19 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from rollgen.errors import RefitError
-from rollgen.refit import (
-    IpcHandle,
-    Named,
-    TensorMeta,
-    WeightBucket,
-    copy_into,
-    device_uuid,
-    flat_offsets,
-    ipc_targets,
-    mirror,
-    require_finite,
-    unflatten,
-)
+from rollgen.refit.bucket import WeightBucket
+from rollgen.refit.checks import require_finite
+from rollgen.refit.cuda_ipc import IpcHandle, device_uuid, ipc_targets
+from rollgen.refit.meta import Named, TensorMeta, copy_into, flat_offsets, mirror, unflatten
 
 #: Bucket layouts kept (their views, bucket and pickles) before the oldest is dropped.
 KEPT_LAYOUTS = 8

@@ -45,20 +45,9 @@ import torch.distributed as dist
 
 from rollgen import auth
 from rollgen.errors import RefitError, _rebuild
-from rollgen.refit import (
-    TensorMeta,
-    WeightSpec,
-    bucket_groups,
-    check_against_spec,
-    check_bucket_bytes,
-    check_source,
-    dtype_name,
-    flat_offsets,
-    flatten,
-    named_tensors,
-    nonfinite,
-    unflatten,
-)
+from rollgen.refit.bucket import bucket_groups, named_tensors
+from rollgen.refit.checks import check_against_spec, check_bucket_bytes, check_source, nonfinite
+from rollgen.refit.meta import TensorMeta, WeightSpec, dtype_name, flat_offsets, flatten, unflatten
 
 logger = logging.getLogger(__name__)
 

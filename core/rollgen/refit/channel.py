@@ -33,6 +33,8 @@ import torch
 
 from rollgen import auth
 from rollgen.errors import RollgenError, WorkerError
+from rollgen.refit.bucket import WeightBucket
+from rollgen.refit.receiver import KEPT_UNPACKED
 
 logger = logging.getLogger(__name__)
 
@@ -200,3 +202,71 @@ def close(channels: list[list[Channel]]) -> None:
     for ranks in channels:
         for channel in ranks:
             channel.close()
+
+
+class EngineChannels:
+    """The driver's channels to every rank of every engine (``channels[engine][rank]``), and the
+    kept layouts each engine loaded over them, which later refits send by name alone."""
+
+    def __init__(self, channels: list[list[Channel]]) -> None:
+        self.channels = channels
+        self._held: list[dict[str, None]] = [{} for _ in channels]
+
+    def __bool__(self) -> bool:
+        return bool(self.channels)
+
+    def send(self, bucket: WeightBucket, pickled: Callable[[WeightBucket, int], bytes]) -> None:
+        """Every engine rank loads ``bucket``: a kept layout its engine holds by name alone, else
+        with ``pickled(bucket, engine)``, which a rank that no longer holds the layout gets next.
+        Every rank answers before an error is raised (no rank still reads what the next refit
+        writes), an engine's death first; a failure that leaves answers unread closes the
+        channels (later refits go through the actors)."""
+        layout, errors = bucket.layout, []
+        ranks = [(i, rank) for i, engine in enumerate(self.channels) for rank in engine]
+
+        def exchange(
+            requests: list[tuple[int, Channel, tuple[str, bytes | None]]],
+        ) -> list[tuple[int, Channel]]:
+            sent, missed = [], []
+            try:
+                try:
+                    for i, rank, request in requests:
+                        rank.send(request)
+                        sent.append((i, rank))
+                except RollgenError as exc:  # a closed channel: the ranks sent to still answer
+                    errors.append(exc)
+                for i, rank in sent:
+                    try:
+                        if not rank.result():
+                            missed.append((i, rank))
+                    except RollgenError as exc:
+                        errors.append(exc)
+            except BaseException:  # answers left unread: these channels are out of step
+                self.close()
+                raise
+            return missed
+
+        requests = [
+            (i, rank, (layout, None if layout in self._held[i] else pickled(bucket, i))) for i, rank in ranks
+        ]
+        missed = exchange(requests)
+        if missed:  # ranks keep the last KEPT_UNPACKED layouts
+            exchange([(i, rank, (layout, pickled(bucket, i))) for i, rank in missed])
+        if errors:
+            raise next((e for e in errors if isinstance(e, WorkerError) and e.died), errors[0])
+        if layout:
+            for held in self._held:  # the least recently used goes, as on the ranks
+                held.pop(layout, None)
+                held[layout] = None
+                if len(held) > KEPT_UNPACKED:
+                    del held[next(iter(held))]
+
+    def forget(self) -> None:
+        """The engines let go of every kept layout (their mappings were released)."""
+        for held in self._held:
+            held.clear()
+
+    def close(self) -> None:
+        """Close every channel (each rank's thread ends); later refits go through the actors."""
+        close(self.channels)
+        self.channels = []

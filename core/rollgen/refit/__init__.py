@@ -1,0 +1,117 @@
+"""Weight refit: the trainer's buckets, the transports, the checks before anything is applied, and
+the engine rank's side of each.
+
+Transports (``WeightBucket.transport``):
+- ``tensors``: the tensors themselves (in-process, or copied through the Ray object store);
+- ``shared_memory``: CPU tensors in shared memory, sent as a few KB of handles (zero-copy when the
+  trainer's tensors already live in shared memory; otherwise one bucket-sized copy). Handles are
+  made each time the bucket is pickled, one set per receiver, so pack it in the process that
+  sends it to the engines (across processes, use ``tensors``);
+- ``cuda_ipc``: CUDA IPC handles keyed by device UUID, for trainer and engine on the same GPUs;
+- a weight-sync group (``weight_sync``): broadcasts over gloo or NCCL from a trainer elsewhere.
+
+Modules: ``meta`` (names, ``TensorMeta``, ``WeightSpec``, module groups, flat layouts), ``checks``
+(source, spec, reach, finiteness), ``cuda_ipc`` (exports and mappings), ``bucket`` (packing,
+sizes, merging), ``receiver`` (the rank's kept layouts), ``staging`` and ``in_place`` (the
+trainer's persistent GPU buffers, or its own tensors read in place), ``weight_sync`` (both ends of
+a group) and ``channel`` (both ends of a driver ↔ rank socket); ``updates`` (``WeightUpdates``,
+one update's lifecycle) over ``link`` (what it asks of the engines).
+"""
+
+from rollgen.refit.bucket import (
+    DEFAULT_BUCKET_BYTES,
+    GPU_BUCKET_BYTES,
+    WeightBucket,
+    bucket_groups,
+    default_bucket_bytes,
+    gpu_bucket_bytes,
+    grouped,
+    iter_buckets,
+    merge_buckets,
+    named_tensors,
+    pack_bucket,
+)
+from rollgen.refit.checks import (
+    GraphedCheck,
+    check_against_spec,
+    check_bucket_bytes,
+    check_reach,
+    check_source,
+    graphed,
+    nonfinite,
+    reject_nonfinite,
+    require_finite,
+)
+from rollgen.refit.cuda_ipc import InPlaceViews, IpcHandle, device_uuid, ipc_targets
+from rollgen.refit.link import EngineLink, InProcessLink, Packing
+from rollgen.refit.meta import (
+    FLAT_ALIGN,
+    TRANSPORT_CAPABILITY,
+    Named,
+    TensorMeta,
+    Transport,
+    WeightSpec,
+    copy_into,
+    dtype_name,
+    flat_offsets,
+    flatten,
+    mirror,
+    module_group,
+    unflatten,
+)
+from rollgen.refit.receiver import KEPT_UNPACKED, load_into_module, release_staged, unpack_request
+from rollgen.refit.updates import WeightUpdates
+from rollgen.refit.weight_sync import SyncBackend, SyncGroup, SyncGroupSpec, WeightSender, receive
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "FLAT_ALIGN",
+    "GPU_BUCKET_BYTES",
+    "KEPT_UNPACKED",
+    "TRANSPORT_CAPABILITY",
+    "EngineLink",
+    "GraphedCheck",
+    "InProcessLink",
+    "InPlaceViews",
+    "IpcHandle",
+    "Named",
+    "Packing",
+    "SyncBackend",
+    "SyncGroup",
+    "SyncGroupSpec",
+    "TensorMeta",
+    "Transport",
+    "WeightBucket",
+    "WeightSender",
+    "WeightSpec",
+    "WeightUpdates",
+    "bucket_groups",
+    "check_against_spec",
+    "check_bucket_bytes",
+    "check_reach",
+    "check_source",
+    "copy_into",
+    "default_bucket_bytes",
+    "device_uuid",
+    "dtype_name",
+    "flat_offsets",
+    "flatten",
+    "gpu_bucket_bytes",
+    "graphed",
+    "grouped",
+    "ipc_targets",
+    "iter_buckets",
+    "load_into_module",
+    "merge_buckets",
+    "mirror",
+    "module_group",
+    "named_tensors",
+    "nonfinite",
+    "pack_bucket",
+    "receive",
+    "reject_nonfinite",
+    "release_staged",
+    "require_finite",
+    "unflatten",
+    "unpack_request",
+]
