@@ -244,3 +244,37 @@ def test_auth_off_only_on_loopback(gen: Any) -> None:
         assert httpx.get(f"{open_server.url}/models").status_code == 200
     generated = rollgen.serving.Server(gen)
     assert generated.api_key and len(generated.api_key) >= 32
+
+
+def test_sleep_shutdown_and_limits_answer_503_and_429(client: openai.OpenAI, server: Any, gen: Any) -> None:
+    ask = {"model": server.model_id, "prompt": PROMPT, "max_tokens": 2}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    gen.finish_generation()
+    try:
+        asleep = httpx.post(f"{server.url}/completions", headers=auth, json=ask)
+    finally:
+        gen.prepare_for_generation()
+    assert asleep.status_code == 503 and asleep.headers["retry-after"] == "1", asleep.text
+    assert "prepare_for_generation" in asleep.json()["error"]["message"]
+    server.state.closing = True  # as while the server stops
+    try:
+        closing = httpx.post(f"{server.url}/completions", headers=auth, json=ask)
+    finally:
+        server.state.closing = False
+    assert closing.status_code == 503 and closing.json()["error"]["code"] == "server_shutting_down"
+    with rollgen.serve(gen, api_key=KEY, limits=Limits(max_concurrent_requests=0)) as full:
+        crowded = httpx.post(f"{full.url}/completions", headers=auth, json=ask)
+    assert crowded.status_code == 429 and "max_concurrent_requests" in crowded.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.completions.create(**ask, n=2, extra_body={"session_id": "two"})
+
+
+def test_the_remote_backend_refuses_a_server_that_serves_another_config(server: Any) -> None:
+    processed = tiny_config("hf", max_new_tokens=2, logprobs_mode="processed")
+    with rollgen.create_generation(processed) as other, rollgen.serve(other, api_key=KEY) as elsewhere:
+        config = tiny_config("remote", remote_cfg={"url": elsewhere.url, "api_key": KEY})
+        with pytest.raises(ConfigError, match="returns processed logprobs"):
+            rollgen.create_generation(config)
+    wrong_key = tiny_config("remote", remote_cfg={"url": server.url, "api_key": "x" * 20})
+    with pytest.raises(rollgen.WorkerError, match="401"):
+        rollgen.create_generation(wrong_key)
