@@ -1,16 +1,21 @@
-"""An agent loop against ``rollgen.serve``, written as agent code is: the official openai client,
-a tool, several turns, one session per episode. The trainer, in the same process, refits between
-episodes; afterwards it reads each session back (``GET /v1/sessions/{id}``) and checks that the
-tokens it would train on are exactly the engine's (teacher-forced logprobs of the weights of each
-token's version agree with the logprobs the engine returned).
+"""An agent loop against ``rollgen.serve``, written as agent code is: the official openai client
+(async), a tool, several turns, one session per episode, episodes running at once. The trainer,
+in the same process, takes each episode as it finishes, makes a training step (a stand-in: its
+weights shrink a little) and refits in ``keep`` mode while the other episodes run on; afterwards
+it reads each session back (``GET /v1/sessions/{id}``) and checks that the tokens it would train
+on are exactly the engine's: teacher-forced logprobs under the weights of each token's version
+agree with the logprobs the engine returned.
 
-    python examples/agent_loop.py [--backend hf] [--episodes 2] [--turns 3]
+    python examples/agent_loop.py [--backend hf] [--episodes 3] [--turns 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import queue
+import threading
 from typing import Any
 
 import httpx
@@ -31,12 +36,12 @@ def next_numbers(n: int) -> str:
     return " ".join(str(n + i) for i in range(1, 4))
 
 
-def episode(client: openai.OpenAI, model: str, session: str, turns: int, seed: int) -> None:
+async def episode(client: openai.AsyncOpenAI, model: str, session: str, turns: int, seed: int) -> None:
     """One conversation: the model's reply; its tool calls answered by the tool; else the
     environment's next observation as a user message (the tiny model calls no tools itself)."""
     messages: list[Any] = [{"role": "user", "content": "count: 3 4 5"}]
     for turn in range(turns):
-        done = client.chat.completions.create(
+        done = await client.chat.completions.create(
             model=model,
             messages=messages,
             tools=TOOLS,
@@ -75,20 +80,38 @@ def main(backend: str, episodes: int, turns: int) -> None:
     model_dir = tiny_model_dir()
     trainer = load_reference_model(model_dir)
     weights: dict[int, Any] = {}
+
+    def snapshot(version: int) -> None:
+        weights[version] = load_reference_model(model_dir)
+        weights[version].load_state_dict(trainer.state_dict())
+
     with (
         rollgen.create_generation(tiny_config(backend, dtype="float32")) as gen,
         rollgen.serve(gen) as server,
     ):
-        client = openai.OpenAI(base_url=server.url, api_key=server.api_key)
-        auth = {"Authorization": f"Bearer {server.api_key}"}
-        for e in range(episodes):
-            weights[gen.weight_version] = load_reference_model(model_dir)
-            weights[gen.weight_version].load_state_dict(trainer.state_dict())
-            episode(client, server.model_id, f"episode-{e}", turns, seed=100 * e)
-            with torch.no_grad():  # a stand-in training step: the next episode's weights differ
+        finished: queue.Queue[int] = queue.Queue()
+
+        async def agents() -> None:
+            client = openai.AsyncOpenAI(base_url=server.url, api_key=server.api_key)
+
+            async def run(e: int) -> None:
+                await episode(client, server.model_id, f"episode-{e}", turns, seed=100 * e)
+                finished.put(e)
+
+            await asyncio.gather(*(run(e) for e in range(episodes)))
+
+        snapshot(gen.weight_version)
+        acting = threading.Thread(target=asyncio.run, args=(agents(),))
+        acting.start()
+        for _ in range(episodes):  # the trainer: a step and a refit per finished episode
+            finished.get()
+            with torch.no_grad():  # a stand-in training step: the next weights differ
                 for p in trainer.parameters():
                     p.mul_(0.98)
-            gen.refit(trainer, mode="keep")
+            snapshot(gen.weight_version + 1)
+            gen.refit(trainer, mode="keep")  # the episodes still running continue on the new weights
+        acting.join()
+        auth = {"Authorization": f"Bearer {server.api_key}"}
         for e in range(episodes):
             session = httpx.delete(f"{server.url}/sessions/episode-{e}", headers=auth).json()
             generated = sum(session["loss_mask"])
@@ -102,7 +125,7 @@ def main(backend: str, episodes: int, turns: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="hf")
-    parser.add_argument("--episodes", type=int, default=2)
+    parser.add_argument("--episodes", type=int, default=3)
     parser.add_argument("--turns", type=int, default=3)
     args = parser.parse_args()
     main(args.backend, args.episodes, args.turns)
