@@ -278,3 +278,22 @@ def test_the_remote_backend_refuses_a_server_that_serves_another_config(server: 
     wrong_key = tiny_config("remote", remote_cfg={"url": server.url, "api_key": "x" * 20})
     with pytest.raises(rollgen.WorkerError, match="401"):
         rollgen.create_generation(wrong_key)
+
+
+def test_a_client_that_leaves_has_its_work_cancelled() -> None:
+    """``unless_disconnected`` with a stand-in request whose client has gone (a real client's
+    disconnect lands at a moment no test can fix): the work is cancelled, None returned."""
+    from rollgen.serving.app import unless_disconnected
+
+    class Gone:
+        async def receive(self) -> dict[str, str]:
+            return {"type": "http.disconnect"}
+
+    async def run() -> tuple[Any, bool]:
+        never = asyncio.Event()
+        work = asyncio.ensure_future(never.wait())
+        answer = await unless_disconnected(Gone(), work)  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # let the cancellation land
+        return answer, work.cancelled()
+
+    assert asyncio.run(run()) == (None, True)

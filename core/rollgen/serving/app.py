@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -111,7 +112,7 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
             return session.view() | {"deleted": True}
 
     @app.post("/v1/completions", dependencies=guarded, response_model=None)
-    async def completions(req: CompletionRequest) -> JSONResponse | StreamingResponse:
+    async def completions(req: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
         check(req)
         ids = prompt_ids(req, served.encode)
         stops = req.stop_strings()
@@ -125,11 +126,17 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
                 turn.session.add_generated(results[0])
 
         return await run(
-            req, "completion", "text_completion", lambda s: (s.token_ids if s else []) + ids, choice, commit
+            request,
+            req,
+            "completion",
+            "text_completion",
+            lambda s: (s.token_ids if s else []) + ids,
+            choice,
+            commit,
         )
 
     @app.post("/v1/chat/completions", dependencies=guarded, response_model=None)
-    async def chat(req: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+    async def chat(req: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
         check(req)
         messages = [m.for_template() for m in req.messages]
         tools = req.tools if req.tool_choice != "none" else None
@@ -169,9 +176,10 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
                 render,
             )
 
-        return await run(req, "chat", "chat.completion", prompt, choice, commit, chunks=True)
+        return await run(request, req, "chat", "chat.completion", prompt, choice, commit, chunks=True)
 
     async def run(
+        request: Request,
         req: OpenAIRequest,
         kind: str,
         obj: str,
@@ -181,7 +189,8 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
         chunks: bool = False,
     ) -> JSONResponse | StreamingResponse:
         """One request's turn: its session taken, its prompt made and submitted; then every
-        choice at once, or each as it finishes (``stream``)."""
+        choice at once, or each as it finishes (``stream``). A client that leaves before its
+        answer has its samples cancelled."""
         turn = Turn(state, req)
         rid = responses.new_id("cmpl" if kind == "completion" else "chatcmpl")
         try:
@@ -196,7 +205,9 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
                 media_type="text/event-stream",
             )
         try:
-            results = await collect(turn)
+            results = await unless_disconnected(request, collect(turn))
+            if results is None:
+                return JSONResponse({}, status_code=CLIENT_CLOSED)
             await commit(turn, results)
             made = [choice(r, turn.prompt) for r in results]
             return JSONResponse(responses.body(obj, rid, served.model_id, made, len(turn.prompt)))
@@ -246,6 +257,31 @@ def prompt_ids(req: CompletionRequest, encode: Callable[[str], list[int]]) -> li
     if isinstance(prompt, str):
         return encode(prompt) if prompt else []
     return list(prompt)
+
+
+#: What a request whose client left is answered (nobody reads it; nginx's convention).
+CLIENT_CLOSED = 499
+_T = TypeVar("_T")
+
+
+async def unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
+    """``work``'s result; None (``work`` cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has disconnected (its request body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        continue
 
 
 def event(data: dict[str, Any]) -> str:
