@@ -4,6 +4,7 @@ the OpenAI surface, the token-in/token-out fields, sessions, auth and errors."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -297,3 +298,62 @@ def test_a_client_that_leaves_has_its_work_cancelled() -> None:
         return answer, work.cancelled()
 
     assert asyncio.run(run()) == (None, True)
+
+
+class EchoParser:
+    """A plugin's parser for the test: every reply is one call of ``echo`` with its text."""
+
+    def parse(self, text: str) -> tuple[str, list[Any]]:
+        from rollgen.serving import ToolCall
+
+        return "", [ToolCall("echo", json.dumps({"text": text}))]
+
+
+class EchoPlugin:
+    @rollgen.hookimpl
+    def rollgen_register_tool_parsers(self, register: Any) -> None:
+        register("echo", EchoParser)
+
+
+def test_a_plugins_tool_parser_turns_replies_into_tool_calls(gen: Any) -> None:
+    """A parser a plugin registers, chosen by name: the SDK reads the calls, a stop becomes
+    ``tool_calls``, and the tool's answer continues the session."""
+    from rollgen.registry import get_registry
+
+    plugin = EchoPlugin()
+    get_registry().pm.register(plugin, name="echo-parser")
+    try:
+        assert "echo" in rollgen.serving.tool_parsers()
+        with rollgen.serve(gen, api_key=KEY, tool_parser="echo") as server:
+            client = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0)
+            tools: Any = [{"type": "function", "function": {"name": "echo"}}]
+            messages: list[Any] = [{"role": "user", "content": PROMPT}]
+            done = client.chat.completions.create(
+                model=server.model_id,
+                messages=messages,
+                tools=tools,
+                temperature=0,
+                max_tokens=4,
+                extra_body={"session_id": "tools"},
+            )
+            (choice,) = done.choices
+            (call,) = choice.message.tool_calls or []
+            assert call.function.name == "echo" and "text" in json.loads(call.function.arguments)  # type: ignore[union-attr]
+            stopped = ext(choice)["stop_reason"] in ("eos", "stop_token", "stop_string")
+            assert choice.finish_reason == ("tool_calls" if stopped else "length")
+            messages += [
+                choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "echoed"},
+            ]
+            after = client.chat.completions.create(
+                model=server.model_id,
+                messages=messages,
+                tools=tools,
+                temperature=0,
+                max_tokens=4,
+                extra_body={"session_id": "tools"},
+            )
+            seen = ext(choice)["prompt_token_ids"] + ext(choice)["token_ids"]
+            assert ext(after.choices[0])["prompt_token_ids"][: len(seen)] == seen
+    finally:
+        get_registry().pm.unregister(plugin)

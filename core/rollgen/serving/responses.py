@@ -91,8 +91,7 @@ def chat_choice(
     parser: ToolParser | None,
 ) -> dict[str, Any]:
     text = visible_text(served, result, stops)
-    calls = parser.parse(text)[1] if parser is not None else []
-    content = parser.parse(text)[0] if calls and parser is not None else text
+    content, calls = parser.parse(text) if parser is not None else (text, [])
     finish = FINISH_REASONS[result.stop_reason]
     message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
     if calls:
