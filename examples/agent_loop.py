@@ -23,7 +23,7 @@ import openai
 import torch
 
 import rollgen
-from rollgen.testing import load_reference_model, teacher_forced_logprobs
+from rollgen.testing import load_reference_model, versioned_logprob_error
 from rollgen.testing.config import tiny_config
 from rollgen.testing.tiny_model import tiny_model_dir
 
@@ -58,22 +58,6 @@ async def episode(client: openai.AsyncOpenAI, model: str, session: str, turns: i
             messages.append({"role": "tool", "tool_call_id": call.id, "content": answer})
         if not reply.tool_calls:
             messages.append({"role": "user", "content": f"count: {10 * (turn + 1)} {10 * (turn + 1) + 1}"})
-
-
-def check(session: dict[str, Any], weights: dict[int, Any]) -> float:
-    """The largest |Δlogp| between the engine's logprobs and the trainer's teacher-forced ones
-    (each generated token under the weights of its version)."""
-    ids = torch.tensor([session["token_ids"]])
-    mask = torch.tensor([session["loss_mask"]], dtype=torch.bool)
-    worst = 0.0
-    for span in session["versions"]:
-        ref = teacher_forced_logprobs(
-            weights[span["version"]], ids, torch.tensor([0]), torch.tensor([ids.shape[1]])
-        )
-        for i in range(span["start"], span["end"]):
-            assert mask[0, i], f"position {i} is in a version span but not generated"
-            worst = max(worst, abs(float(ref[0, i]) - session["logprobs"][i]))
-    return worst
 
 
 def main(backend: str, episodes: int, turns: int) -> None:
@@ -116,9 +100,12 @@ def main(backend: str, episodes: int, turns: int) -> None:
             session = httpx.delete(f"{server.url}/sessions/episode-{e}", headers=auth).json()
             generated = sum(session["loss_mask"])
             versions = sorted({s["version"] for s in session["versions"]})
+            error = versioned_logprob_error(
+                session["token_ids"], session["logprobs"], session["versions"], weights
+            )
             print(
                 f"episode {e}: {len(session['token_ids'])} tokens, {generated} generated, versions "
-                f"{versions}, max |logp - teacher-forced| {check(session, weights):.2e}"
+                f"{versions}, max |logp - teacher-forced| {error:.2e}"
             )
 
 
