@@ -357,3 +357,17 @@ def test_a_plugins_tool_parser_turns_replies_into_tool_calls(gen: Any) -> None:
             assert ext(after.choices[0])["prompt_token_ids"][: len(seen)] == seen
     finally:
         get_registry().pm.unregister(plugin)
+
+
+def test_stop_strings_end_the_text_before_them(client: openai.OpenAI, server: Any) -> None:
+    plain = client.completions.create(model=server.model_id, prompt=PROMPT, temperature=0, max_tokens=8)
+    text = plain.choices[0].text
+    assert text.strip(), "the greedy continuation has text to stop in"
+    stop = text.strip()[-1]
+    cut = client.completions.create(
+        model=server.model_id, prompt=PROMPT, temperature=0, max_tokens=8, stop=[stop]
+    )
+    (choice,) = cut.choices
+    assert choice.text == text[: text.index(stop)]
+    assert ext(choice)["stop_reason"] == "stop_string" and choice.finish_reason == "stop"
+    assert stop in server.state.served.decode(ext(choice)["token_ids"]), "the token ids keep the stop string"
