@@ -371,3 +371,17 @@ def test_stop_strings_end_the_text_before_them(client: openai.OpenAI, server: An
     assert choice.text == text[: text.index(stop)]
     assert ext(choice)["stop_reason"] == "stop_string" and choice.finish_reason == "stop"
     assert stop in server.state.served.decode(ext(choice)["token_ids"]), "the token ids keep the stop string"
+
+
+def test_a_request_waits_for_the_trainer_then_gets_503(gen: Any) -> None:
+    """While the trainer holds the generation (here its lock, held as a long refit holds it), a
+    request waits ``submit_timeout_s``, then gets 503 with ``Retry-After``; the server serves on."""
+    ask = {"model": None, "prompt": PROMPT, "max_tokens": 2}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with rollgen.serve(gen, api_key=KEY, limits=Limits(submit_timeout_s=0.5)) as patient:
+        ask["model"] = patient.model_id
+        with gen._lock:
+            busy = httpx.post(f"{patient.url}/completions", headers=auth, json=ask, timeout=60)
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
+        assert "busy" in busy.json()["error"]["message"]
+        assert httpx.post(f"{patient.url}/completions", headers=auth, json=ask, timeout=60).status_code == 200

@@ -14,14 +14,11 @@ import torch
 from rollgen.errors import UnsupportedCapability
 from rollgen.interface import GenerationInterface
 from rollgen.rollout import Rollout
+from rollgen.serving.errors import HttpError
 from rollgen.serving.schemas import ChatCompletionRequest, CompletionRequest
 from rollgen.spec import Capability
 
 logger = logging.getLogger(__name__)
-
-
-class SubmitTimeout(Exception):
-    """The generation stayed busy (a refit, a sleep) past the server's wait (answered 503)."""
 
 
 class ServedGeneration:
@@ -95,16 +92,20 @@ class ServedGeneration:
 
     async def submit(self, batch: dict[str, Any]) -> Rollout:
         """``gen.submit(batch)`` off the event loop. It waits while the trainer holds the
-        generation (a refit, a wake) up to ``submit_timeout_s``, then SubmitTimeout (a rollout
-        that starts after that is cancelled at once)."""
+        generation (a refit, a wake) up to ``submit_timeout_s``, then a 503 (a rollout
+        that starts after that is cancelled at once) with ``Retry-After``."""
         loop = asyncio.get_running_loop()
         started = loop.run_in_executor(None, self.gen.submit, batch)
         try:
             return await asyncio.wait_for(asyncio.shield(started), self.submit_timeout_s)
         except asyncio.TimeoutError:
             started.add_done_callback(_cancel_late)
-            raise SubmitTimeout(
-                f"the generation was busy (a refit or a sleep) for {self.submit_timeout_s:g} s"
+            raise HttpError(
+                503,
+                f"the generation was busy (the trainer's refit or wake) for {self.submit_timeout_s:g} s "
+                "(submit_timeout_s)",
+                "generation_busy",
+                retry=True,
             ) from None
 
 
