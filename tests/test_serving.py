@@ -230,6 +230,13 @@ def test_errors_are_openai_json(client: openai.OpenAI, server: Any, gen: Any) ->
         json={"model": server.model_id, "prompt": "x" * 70_000},
     )
     assert big.status_code == 413 and "max_body_bytes" in big.json()["error"]["message"]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    nowhere = httpx.get(f"{server.url}/no-such-route", headers=auth)
+    assert nowhere.status_code == 404 and "error" in nowhere.json()
+    garbled = httpx.post(f"{server.url}/completions", headers=auth, content=b"{not json")
+    assert garbled.status_code == 400 and garbled.json()["error"]["type"] == "invalid_request_error"
+    no_model = httpx.post(f"{server.url}/completions", headers=auth, json={"prompt": "x"})
+    assert no_model.status_code == 400 and "model" in no_model.json()["error"]["message"]
 
 
 def test_a_backend_without_async_is_refused() -> None:
