@@ -172,6 +172,28 @@ def test_a_failure_before_or_while_sending_leaves_the_channels_in_step() -> None
     channel.close(channels)
 
 
+def test_a_rank_that_does_not_answer_within_the_deadline_is_wedged() -> None:
+    """A rank whose load never returns (a stand-in handler): ``result`` raises its death once
+    the deadline (short here) has passed and closes its channel; the other ranks still answer
+    first, and the refit raises the death."""
+    ranks = [Rank(), Rank()]
+    channels = [
+        [serve(ranks[0].handle)],
+        [serve(lambda _: threading.Event().wait())],
+        [serve(ranks[1].handle)],
+    ]
+    bucket = WeightBucket("tensors", (TensorMeta("w", (2,), "float32"),), [torch.ones(2)], layout="L")
+    with pytest.raises(
+        WorkerError, match="did not answer over its refit channel within call_timeout_s=0.5"
+    ) as wedged:
+        EngineChannels(channels).send(bucket, lambda b, i: pickle.dumps(b), timeout_s=0.5)
+    assert wedged.value.died
+    assert all(r.requests == [("L", True)] for r in ranks)
+    with pytest.raises(WorkerError, match="its refit channel closed"):
+        channels[1][0].send(("L", None))
+    channel.close(channels)
+
+
 def test_an_answer_that_cannot_be_pickled_is_a_worker_error() -> None:
     ch = serve(lambda request: lambda: request)
     ch.send(1)

@@ -34,6 +34,7 @@ from rollgen.refit import (
     unflatten,
     unpack_request,
 )
+from rollgen.testing.faults import Unreadable
 from rollgen.testing.links import RecordingLink
 
 
@@ -163,6 +164,13 @@ def test_a_bad_bucket_size_is_a_refit_error(size: object) -> None:
         list(iter_buckets({"a": torch.ones(1)}, "tensors", bucket_bytes=size))  # type: ignore[arg-type]
 
 
+def test_buckets_of_a_tensor_without_values_or_with_a_cast_to_no_dtype_are_refused() -> None:
+    with pytest.raises(RefitError, match="meta device"):
+        list(iter_buckets({"a": torch.ones(1), "b": torch.empty(2, device="meta")}, "tensors"))
+    with pytest.raises(RefitError, match=r"got 'bfloat16' \(pass torch.bfloat16\)"):
+        list(iter_buckets({"a": torch.ones(1)}, "tensors", dtype="bfloat16"))  # type: ignore[arg-type]
+
+
 def test_refit_matches_independent_hf(hf_config: dict) -> None:
     """Refit the HF engine with perturbed weights; logprobs follow an independent HF model."""
     from rollgen.output import generated_mask
@@ -229,7 +237,7 @@ def test_refit_resets_the_prefix_cache_only_after_a_generate(hf_config: dict, mo
 
 
 def test_a_refit_that_fails_part_way_marks_the_generation_stale(hf_config: dict) -> None:
-    """The last bucket holds a tensor that cannot be read (a meta tensor: it passes the name,
+    """The last bucket holds a tensor that cannot be read (a stand-in: it passes the name,
     shape and dtype checks, then the engine fails to copy it). The buckets before it were
     applied, so the engine holds mixed weights: generate refuses until a complete refit."""
     from rollgen import StaleWeights
@@ -237,10 +245,10 @@ def test_a_refit_that_fails_part_way_marks_the_generation_stale(hf_config: dict)
 
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
     state = load_reference_model(hf_config["model_name"]).state_dict()
-    broken = {**state, "lm_head.weight": torch.empty_like(state["lm_head.weight"], device="meta")}
+    broken = {**state, "lm_head.weight": state["lm_head.weight"].clone().as_subclass(Unreadable)}
     with rollgen.create_generation(hf_config) as engine:
         before = engine.generate(batch, greedy=True)
-        with pytest.raises(NotImplementedError):
+        with pytest.raises(RuntimeError, match="injected fault"):
             engine.refit(broken, bucket_bytes=64 << 10, check_finite=False)
         with pytest.raises(StaleWeights, match="refit failed at bucket"):
             engine.generate(batch, greedy=True)
@@ -249,7 +257,8 @@ def test_a_refit_that_fails_part_way_marks_the_generation_stale(hf_config: dict)
 
 
 def test_a_rejected_refit_leaves_the_engine_serving(hf_config: dict) -> None:
-    """NaN weights, a missing tensor, a bad source: RefitError before anything is applied."""
+    """NaN weights, a missing tensor, a bad source, a tensor without values (on the meta
+    device), a cast to what is not a dtype: RefitError before anything is applied."""
     from rollgen.testing import load_reference_model
 
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
@@ -264,6 +273,13 @@ def test_a_rejected_refit_leaves_the_engine_serving(hf_config: dict) -> None:
             engine.refit({k: v for k, v in state.items() if k != "lm_head.weight"})
         with pytest.raises(RefitError, match="refit source"):
             engine.refit(None)  # type: ignore[arg-type]
+        meta = {**state, "model.norm.weight": torch.empty_like(state["model.norm.weight"], device="meta")}
+        with pytest.raises(RefitError, match="meta device") as empty:
+            engine.refit(meta)
+        assert empty.value.problems == ["model.norm.weight"]
+        for dtype in ["float32", torch.int8, 32]:
+            with pytest.raises(RefitError, match=r"dtype must be None \(no cast\) or one of torch.float32"):
+                engine.refit(state, dtype=dtype)  # type: ignore[arg-type]
         with pytest.raises(RefitError, match="update_weights takes"):
             engine.update_weights(None)  # type: ignore[arg-type]
         assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], before["output_ids"])

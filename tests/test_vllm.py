@@ -111,8 +111,8 @@ def test_worker_killed_mid_call_is_a_worker_error(vllm_config: dict, batch: dict
 
 def test_engine_arguments_come_from_the_worker_spec(vllm_config: dict) -> None:
     """``vllm.LLM``'s arguments: rollgen's worker extension, the spec's dtype and context, the GPU
-    memory share on GPU only, and ``vllm_kwargs`` with the last word. No setting for a particular
-    machine is added."""
+    memory share on GPU only, whole prefills on CPU (vLLM-CPU fails seeded chunked ones), and
+    ``vllm_kwargs`` with the last word. No setting for a particular machine is added."""
     from rollgen.config import validate_config
     from rollgen.distributed.generation import plan_engines
     from rollgen_vllm.config import VllmConfig
@@ -132,6 +132,8 @@ def test_engine_arguments_come_from_the_worker_spec(vllm_config: dict) -> None:
     assert gpu["enable_sleep_mode"] is True and cpu["enable_sleep_mode"] is False
     assert "gpu_memory_utilization" not in cpu and cpu["kv_cache_memory_bytes"] == 64 << 20
     assert "compilation_config" not in gpu
+    assert cpu["enable_chunked_prefill"] is False and "enable_chunked_prefill" not in gpu
+    assert kwargs(False, enable_chunked_prefill=True)["enable_chunked_prefill"] is True
     assert kwargs(True, enforce_eager=False, seed=3)["enforce_eager"] is False
 
 

@@ -58,8 +58,7 @@ def serialised(method: _Method) -> _Method:
             try:
                 return method(self, *args, **kwargs)
             except WorkerError as exc:
-                if exc.died and self._dead is None and not self._survives(exc):
-                    self._dead = exc
+                self._worker_failed(exc)
                 raise
 
     return cast(_Method, locked)
@@ -163,15 +162,16 @@ class BaseGeneration(ABC):
         """Whether ``finish_generation`` really frees device memory here (False: honest no-op)."""
         return False
 
-    def _survives(self, error: WorkerError) -> bool:
-        """Whether the generation goes on after the death ``error`` reports (backends whose
-        replicas are replaced: ``engine_failures``); by default it ends."""
-        return False
-
     @property
     def usable(self) -> bool:
         """False once the generation was shut down or one of its engine workers died."""
         return not self._closed and self._dead is None
+
+    def _worker_failed(self, error: WorkerError) -> None:
+        """A worker failed (in a call, or while streaming samples): if it died, the generation
+        ends with it (later calls raise that death at once)."""
+        if error.died and self._dead is None:
+            self._dead = error
 
     def _check_open(self) -> None:
         if self._closed:
@@ -198,6 +198,7 @@ class BaseGeneration(ABC):
     # ---- generation ---------------------------------------------------------------------------
     @serialised
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        self._check_open()
         self._check_idle("generate")
         batch, params = self._prepare(data, greedy)
         if batch.size == 0:
@@ -254,7 +255,10 @@ class BaseGeneration(ABC):
         return batch, params
 
     def _hits_stop_string(self, params: SampleParams, tokens: list[int]) -> bool:
-        return any(s in self.tokenizer.decode(tokens) for s in params.stop_strings)
+        """Whether ``tokens`` (a sample's generated tokens) hold one of its stop strings: the one
+        rule for every backend, the text as ``generate_text`` returns it (special tokens
+        skipped)."""
+        return any(s in self.tokenizer.decode(tokens, skip_special_tokens=True) for s in params.stop_strings)
 
     def _check_idle(self, what: str) -> None:
         running = self._streams.in_flight
@@ -556,8 +560,26 @@ class BaseGeneration(ABC):
         them itself)."""
 
     # ---- shutdown -----------------------------------------------------------------------------
-    @serialised
+    #: Seconds ``shutdown`` waits for a call in progress before it shuts down without it (None:
+    #: for ever). Engines in other processes, which shutdown kills, set it: the call then fails.
+    shutdown_wait_s: ClassVar[float | None] = None
+
     def shutdown(self) -> None:
+        wait_s = self.shutdown_wait_s
+        locked = self._lock.acquire(timeout=-1 if wait_s is None else wait_s)
+        if not locked:
+            logger.warning(
+                "%s: a call still runs after %.0f s; shutting down without waiting for it (it fails)",
+                self.name,
+                wait_s,
+            )
+        try:
+            self._close()
+        finally:
+            if locked:
+                self._lock.release()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True

@@ -1,7 +1,7 @@
 """``SampleDispatcher``: the driver's side of streamed samples on engines in Ray actors. Samples
 go to the engine with the most free room (``EngineWorker._capacity`` each), wait on the driver
 when every engine is full, and go out as engines free up; a thread polls the engines that have
-samples and hands what ended to the core."""
+samples and hands what ended to the core, and an engine's failure to the generation."""
 
 from __future__ import annotations
 
@@ -28,17 +28,19 @@ WAIT_S = 0.05
 
 class SampleDispatcher:
     """Spreads streamed samples over a worker group's engines and reports ended ones to
-    ``deliver``."""
+    ``deliver``, a worker's failure to ``failed`` (as a call's failure is reported)."""
 
     def __init__(
         self,
         group: RayWorkerGroup,
         capacity: list[int],
         deliver: Callable[[list[FinishedSample]], None],
+        failed: Callable[[WorkerError], None],
         died: Callable[[int, WorkerError], bool] = lambda engine, error: False,
     ) -> None:
-        self.group, self.capacity, self.deliver = group, list(capacity), deliver
-        #: Told of an engine's death; True: its samples are re-run elsewhere (it called ``take_out``).
+        self.group, self.capacity, self.deliver, self.failed = group, list(capacity), deliver, failed
+        #: Told of an engine's death first; True: its samples are re-run elsewhere (it called
+        #: ``take_out``), and ``failed`` is not told.
         self.died = died
         #: The samples on engines, and how often each was restarted after its engine died.
         self._requests: dict[str, SampleRequest] = {}
@@ -75,7 +77,7 @@ class SampleDispatcher:
             for i, engine_keys in by_engine.items():
                 self._calls[self.group.workers[i].abort_samples.remote(engine_keys)] = i
         if waiting:
-            self.deliver([FinishedSample(r.key, (), (), aborted=True) for r in waiting])
+            self.deliver([FinishedSample(r.key, (), (), aborted=True, started=False) for r in waiting])
 
     def close(self) -> None:
         with self._lock:
@@ -139,6 +141,8 @@ class SampleDispatcher:
     def _failed(self, engine: int, name: str, exc: RollgenError) -> None:
         """Engine ``engine`` failed: so did every sample it has."""
         logger.error("%s failed while streaming samples: %s", name, exc)
+        if isinstance(exc, WorkerError):
+            self.failed(exc)
         with self._lock:
             self.capacity[engine] = 0
             lost = [k for k, i in self._where.items() if i == engine]

@@ -167,10 +167,16 @@ class Fleet:
             return bool(group.live)
 
     def died_as(self, error: WorkerError) -> bool:
-        """``died`` for the replica ``error`` names (as a worker, or one of its ranks)."""
-        names = self.gen.group.names
-        found = [i for i, n in enumerate(names) if error.worker == n or error.worker.startswith(f"{n} ")]
-        return bool(found) and self.died(found[0], error)
+        """``died`` for each replica ``error`` names (as workers, ", "-separated, or as one of
+        a worker's ranks); False where it names none."""
+        named = error.worker.split(", ")
+        found = [
+            i
+            for i, n in enumerate(self.gen.group.names)
+            if any(w == n or w.startswith(f"{n} ") for w in named)
+        ]
+        survived = [self.died(i, error) for i in found]
+        return bool(survived) and all(survived)
 
     def _replace(self, index: int) -> None:
         """Start a new actor for replica ``index`` (out of service), unless it reached the

@@ -32,6 +32,10 @@ from rollgen.rollout import SampleRequest, UpdateMode
 
 logger = logging.getLogger(__name__)
 
+#: Seconds ``shutdown`` waits for a call in progress, and then for the engines' own cleanup,
+#: before it kills what has not answered.
+SHUTDOWN_WAIT_S = 60.0
+
 
 @dataclass(frozen=True)
 class EnginePlan:
@@ -133,6 +137,7 @@ class RayGeneration(BaseGeneration):
     engines_in_process: ClassVar[bool] = False
     #: The ranks each engine joins a weight-sync group with (None: one per tensor-parallel rank).
     sync_ranks_per_engine: ClassVar[int | None] = None
+    shutdown_wait_s: ClassVar[float | None] = SHUTDOWN_WAIT_S
 
     def __init__(
         self, config: Mapping[str, Any], cluster: RayVirtualCluster | None = None, backend: Any = None
@@ -170,10 +175,12 @@ class RayGeneration(BaseGeneration):
                 self.group,
                 [info["capacity"] for info in self.engine_info],
                 self._streams.deliver,
+                self._worker_failed,
                 lambda engine, error: self.fleet.died(engine, error),
             )
             self.fleet = Fleet(self, self.plan.spec.engine)
             self.updates  # noqa: B018 - its link opens the engines' refit channels now
+            self.group.call_timeout_s = self.plan.spec.engine["call_timeout_s"]
             on_failure.pop_all()
         logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, self.engine_info[0])
 
@@ -246,8 +253,9 @@ class RayGeneration(BaseGeneration):
         self.fleet.admit(timeout_s)
         return self.fleet.status()
 
-    def _survives(self, error: WorkerError) -> bool:
-        return self.fleet.died_as(error)
+    def _worker_failed(self, error: WorkerError) -> None:
+        if not (error.died and self.fleet.died_as(error)):  # with "replace", a death others survive
+            super()._worker_failed(error)
 
     def _again_on_death(self, update: Callable[[], None]) -> None:
         """Run ``update``; if a replica's death ends it and the fleet goes on, run it once more
@@ -255,7 +263,7 @@ class RayGeneration(BaseGeneration):
         try:
             update()
         except WorkerError as exc:
-            if not (exc.died and self.fleet.replaces and self._survives(exc)):
+            if not (exc.died and self.fleet.died_as(exc)):
                 raise
             logger.warning(
                 "%s: %s died during a weight update; updating the others again", self.name, exc.worker
@@ -359,7 +367,7 @@ class RayGeneration(BaseGeneration):
             dispatcher.close()
         group = getattr(self, "group", None)
         if group is not None:
-            group.shutdown(EngineWorker.shutdown)
+            group.shutdown(EngineWorker.shutdown, self.shutdown_wait_s or SHUTDOWN_WAIT_S)
             here = ray.get_runtime_context().get_node_id()
             wait_for_exit([i["pid"] for i in getattr(self, "engine_info", []) if i["node"] == here])
         if self._own_cluster and getattr(self, "cluster", None) is not None:

@@ -112,7 +112,7 @@ class RayLink(GenerationLink):
     # ---- applying -------------------------------------------------------------------------------
     def apply_bucket(self, bucket: WeightBucket, reset_prefix: bool) -> None:
         if self.channels:
-            self.channels.send(bucket, self._pickled)
+            self.channels.send(bucket, self._pickled, self.group.call_timeout_s)
             if reset_prefix:
                 self.reset_prefix_cache()
             return

@@ -1,6 +1,6 @@
 """Refit channels: the driver hands each engine rank its refit buckets over a local socket of
-its own, past the Ray call to the engine's actor and the engine's RPC to its ranks (together
-2.7 ms a round trip on an H200 host, against 0.09 ms over a channel).
+its own, past the Ray call to the engine's actor and the engine's RPC to its ranks (about 30
+times a channel's round trip; BENCHMARKS.md has the figures).
 
 A rank opens a ``ChannelServer`` (a thread that accepts connections) and returns its address;
 the driver connects a ``Channel`` to it. Sockets are Unix sockets in the abstract namespace, so
@@ -14,7 +14,8 @@ authenticated in a thread of its own, so a client that connects and says nothing
 Requests and answers are pickles, read only from an authenticated peer. A request is answered in
 order, one at a time; what the handler raises comes back: a ``RollgenError`` as itself, anything
 else as a ``WorkerError`` with the rank's traceback. A channel that closes means the rank's
-process ended."""
+process ended; a rank that does not answer within the driver's deadline is wedged (both its
+death, ``WorkerError(died=True)``)."""
 
 from __future__ import annotations
 
@@ -146,10 +147,20 @@ class Channel:
         except OSError as exc:
             raise self._closed(exc) from None
 
-    def result(self) -> Any:
+    def result(self, timeout_s: float | None = None) -> Any:
         """The answer to the oldest request not yet answered: what the rank's handler returned,
-        or what it raised."""
+        or what it raised. A rank that has not answered within ``timeout_s`` (None: no limit) is
+        wedged: the channel closes (its answers would come out of step) and the rank's death is
+        raised, ``WorkerError(died=True)``."""
         try:
+            if timeout_s is not None and not self._conn.poll(timeout_s):
+                self.close()
+                raise WorkerError(
+                    self.name,
+                    f"did not answer over its refit channel within call_timeout_s={timeout_s} s (wedged); "
+                    "shut the generation down (which kills its engines) and create a new one",
+                    died=True,
+                )
             answer = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise self._closed(exc) from None
@@ -215,12 +226,18 @@ class EngineChannels:
     def __bool__(self) -> bool:
         return bool(self.channels)
 
-    def send(self, bucket: WeightBucket, pickled: Callable[[WeightBucket, int], bytes]) -> None:
+    def send(
+        self,
+        bucket: WeightBucket,
+        pickled: Callable[[WeightBucket, int], bytes],
+        timeout_s: float | None = None,
+    ) -> None:
         """Every engine rank loads ``bucket``: a kept layout its engine holds by name alone, else
         with ``pickled(bucket, engine)``, which a rank that no longer holds the layout gets next.
-        Every rank answers before an error is raised (no rank still reads what the next refit
-        writes), an engine's death first; a failure that leaves answers unread closes the
-        channels (later refits go through the actors)."""
+        Every rank answers (within ``timeout_s`` each, or it is wedged: ``Channel.result``)
+        before an error is raised (no rank still reads what the next refit writes), an engine's
+        death first; a failure that leaves answers unread closes the channels (later refits go
+        through the actors)."""
         layout, errors = bucket.layout, []
         ranks = [(i, rank) for i, engine in enumerate(self.channels) for rank in engine]
 
@@ -237,7 +254,7 @@ class EngineChannels:
                     errors.append(exc)
                 for i, rank in sent:
                     try:
-                        if not rank.result():
+                        if not rank.result(timeout_s):
                             missed.append((i, rank))
                     except RollgenError as exc:
                         errors.append(exc)

@@ -18,7 +18,9 @@ from rollgen.refit.bucket import WeightBucket, default_bucket_bytes, grouped, na
 from rollgen.refit.checks import (
     check_against_spec,
     check_bucket_bytes,
+    check_dtype,
     check_reach,
+    check_readable,
     check_source,
     require_finite,
 )
@@ -89,7 +91,9 @@ class WeightUpdates:
         broadcast it when this process is the group's sender."""
         check_source(source)
         check_bucket_bytes(bucket_bytes)
+        check_dtype(dtype)
         named = list(named_tensors(source))
+        check_readable(named)
         layout = (dtype, partial, tuple((n, t.shape, t.dtype) for n, t in named))
         if layout != self._checked_layout:  # a trainer refits the same layout every step
             self.check((TensorMeta.of(n, t, dtype) for n, t in named), partial)
