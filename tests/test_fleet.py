@@ -87,14 +87,15 @@ def test_a_replica_killed_before_generate_is_re_run_on_the_survivor_and_replaced
 def test_refits_while_the_replacement_starts_bring_it_to_the_latest_version(
     fleet, batch: dict, model_dir: str
 ) -> None:
-    """Killed, then refitted twice before its replacement is admitted: the replacement serves
-    the second refit's weights (not its start-up ones, not the first refit's)."""
+    """Killed, then updated twice before its replacement is admitted (a refit, then buckets
+    packed as a trainer in another process packs them): the replacement serves the second
+    update's weights (not its start-up ones, not the first update's)."""
     start = fleet.generate(batch, greedy=True)["output_ids"]
     kill(fleet, 0)
     a, b = perturbed(model_dir, 1), perturbed(model_dir, 2)
     try:
         fleet.refit(a)
-        fleet.refit(b)
+        fleet.update_weights(rollgen.iter_buckets(b, "shared_memory", bucket_bytes=256 << 10))
         restored(fleet, 0, restarts=1)
         twice = {k: torch.cat([v, v]) for k, v in batch.items()}  # one copy on each replica
         out_b = fleet.generate(twice, greedy=True)["output_ids"]
@@ -139,3 +140,24 @@ def test_retained_weights_keep_the_latest_value_of_every_tensor() -> None:
     assert kept.why_not_current(3) == "came over a weight-sync group"
     kept.keep([("a", torch.ones(2))], partial=False, version=4)
     assert kept.why_not_current(4) is None and set(kept.tensors) == {"a"}
+
+
+def test_a_replica_past_its_restart_limit_stays_out_and_losing_all_ends_the_generation(
+    fleet, batch: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    """(The module's last use of ``fleet``.) Replica 0 at its limit (the fleet's setting,
+    lowered here to the restarts it has had) stays out when killed again; the survivor serves
+    alone; once it dies too, the generation ends as with ``engine_failures: "fail"``."""
+    clean = fleet.generate(batch, greedy=True)
+    fleet.fleet.max_restarts = fleet.replicas[0].restarts
+    kill(fleet, 0)
+    with caplog.at_level("INFO", logger="rollgen.distributed.fleet"):
+        assert torch.equal(fleet.generate(batch, greedy=True)["output_ids"], clean["output_ids"])
+    status = fleet.restore_replicas(timeout_s=0)[0]
+    assert status.state == "dead" and "stays out" in status.last_error, status
+    assert fleet.group.live == [1] and fleet.usable
+    assert any("rollgen-vllm-dp0 healthy -> dead" in r.getMessage() for r in caplog.records)
+    kill(fleet, 1)
+    with pytest.raises(rollgen.WorkerError, match="rollgen-vllm-dp1") as info:
+        fleet.generate(batch, greedy=True)
+    assert info.value.died and not fleet.usable

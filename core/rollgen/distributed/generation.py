@@ -278,15 +278,21 @@ class RayGeneration(BaseGeneration):
         partial: bool = False,
         mode: UpdateMode = "wait",
     ) -> None:
-        if self.fleet.replaces and isinstance(buckets, (WeightBucket, list, tuple)):
-            buckets = [buckets] if isinstance(buckets, WeightBucket) else list(buckets)
-            for b in buckets:  # mapped here before they are sent, to be kept after
-                if isinstance(b, WeightBucket):
-                    b.resolve()
+        kept: list[WeightBucket] = []
+        if self.fleet.replaces and isinstance(buckets, WeightBucket):
+            buckets = kept = [buckets]
+        elif (
+            self.fleet.replaces
+            and isinstance(buckets, Iterable)
+            and not isinstance(buckets, (str, bytes, Mapping))
+        ):
+            buckets = kept = list(buckets)  # kept for a replacement (the base class checks each)
+        for b in kept:
+            if isinstance(b, WeightBucket):
+                b.resolve()  # mapped here before they are sent, to be read after
         self._again_on_death(
             lambda: super(RayGeneration, self).update_weights(buckets, partial=partial, mode=mode)
         )
-        kept = buckets if isinstance(buckets, list) else []
         self.fleet.updated((pair for b in kept for pair in b.unpack()), partial)
 
     @serialised
