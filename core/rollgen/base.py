@@ -255,7 +255,10 @@ class BaseGeneration(ABC):
         return batch, params
 
     def _hits_stop_string(self, params: SampleParams, tokens: list[int]) -> bool:
-        return any(s in self.tokenizer.decode(tokens) for s in params.stop_strings)
+        """Whether ``tokens`` (a sample's generated tokens) hold one of its stop strings: the one
+        rule for every backend, the text as ``generate_text`` returns it (special tokens
+        skipped)."""
+        return any(s in self.tokenizer.decode(tokens, skip_special_tokens=True) for s in params.stop_strings)
 
     def _check_idle(self, what: str) -> None:
         running = self._streams.in_flight

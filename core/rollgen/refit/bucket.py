@@ -28,9 +28,8 @@ from rollgen.refit.meta import TensorMeta, Transport, flat_offsets, flatten, mod
 DEFAULT_BUCKET_BYTES = 1 << 30
 
 
-#: Bounds of the bucket size for a source on a GPU (a quarter of its free memory): one 4 GiB
-#: bucket refits a 1.5B model in 21.0 ms on an H200, 1 GiB buckets in 30.1 ms (BENCHMARKS.md,
-#: 2026-11-30, 6e72348).
+#: Bounds of the bucket size for a source on a GPU (a quarter of its free memory): fewer, larger
+#: buckets refit faster (BENCHMARKS.md, the refit by bucket size).
 GPU_BUCKET_BYTES = (64 << 20, 4 << 30)
 
 

@@ -1,6 +1,6 @@
 """Refit channels: the driver hands each engine rank its refit buckets over a local socket of
-its own, past the Ray call to the engine's actor and the engine's RPC to its ranks (together
-2.7 ms a round trip on an H200 host, against 0.09 ms over a channel).
+its own, past the Ray call to the engine's actor and the engine's RPC to its ranks (about 30
+times a channel's round trip; BENCHMARKS.md has the figures).
 
 A rank opens a ``ChannelServer`` (a thread that accepts connections) and returns its address;
 the driver connects a ``Channel`` to it. Sockets are Unix sockets in the abstract namespace, so

@@ -147,8 +147,8 @@ def _exactly_nonfinite(group: Sequence[tuple[str, torch.Tensor]], norms: torch.T
 class GraphedCheck:
     """``nonfinite`` of tensors that stay where they are (the same storages, places and forms at
     every call: a trainer's parameters, refitted in place), its fused norms captured once as a
-    CUDA graph on their GPU and replayed: one launch instead of one per chunk of tensors (1.33
-    against 1.98 ms for 3.09 GB on an H200). The tensors must outlive it."""
+    CUDA graph on their GPU and replayed: one launch instead of one per chunk of tensors
+    (BENCHMARKS.md, the refit's kernels). The tensors must outlive it."""
 
     def __init__(self, named: Named) -> None:
         self._groups = list(_norm_groups(named).items())

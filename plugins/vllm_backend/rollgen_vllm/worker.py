@@ -11,7 +11,7 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rollgen.distributed.worker import EngineWorker, WorkerSpec, reraise
+from rollgen.distributed.worker import EngineWorker, WorkerSpec
 from rollgen.errors import RollgenError
 from rollgen.refit import WeightBucket, WeightSpec
 from rollgen.refit.weight_sync import SyncGroupSpec
@@ -19,6 +19,7 @@ from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen_vllm import logs
 from rollgen_vllm.extension import EXTENSION, RollgenWorkerExtension
+from rollgen_vllm.rpc_errors import reraise
 
 logger = logging.getLogger(__name__)
 
