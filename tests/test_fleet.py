@@ -73,7 +73,9 @@ def test_a_replica_killed_before_generate_is_re_run_on_the_survivor_and_replaced
     clean_seeded = fleet.generate(seeded)
     assert [r.state for r in fleet.replicas] == ["healthy", "healthy"]
     kill(fleet, 1)
-    out = fleet.generate(batch, greedy=True)
+    # the call that meets the death re-runs the dead replica's shard with its samples' seeds
+    assert torch.equal(fleet.generate(seeded)["output_ids"], clean_seeded["output_ids"])
+    out = fleet.generate(batch, greedy=True)  # on the survivor alone
     assert torch.equal(out["output_ids"], clean["output_ids"])
     assert torch.allclose(out["logprobs"], clean["logprobs"], atol=1e-5)
     assert fleet.usable and fleet.replicas[1].state in ("starting", "stale", "healthy")
@@ -94,7 +96,11 @@ def test_refits_while_the_replacement_starts_bring_it_to_the_latest_version(
     kill(fleet, 0)
     a, b = perturbed(model_dir, 1), perturbed(model_dir, 2)
     try:
-        fleet.refit(a)
+        fleet.refit(a)  # meets the death (the replica's refit channel closed): run again on the other
+        assert fleet.updates.stale is None and fleet.usable
+        assert (
+            fleet.replicas[0].state != "healthy" and fleet.replicas[1].weight_version == fleet.weight_version
+        )
         fleet.update_weights(rollgen.iter_buckets(b, "shared_memory", bucket_bytes=256 << 10))
         restored(fleet, 0, restarts=1)
         twice = {k: torch.cat([v, v]) for k, v in batch.items()}  # one copy on each replica
