@@ -859,6 +859,35 @@ def test_a_rejected_refit_leaves_samples_running(standin_config: dict) -> None:
     assert rollout.wait()[0].stop_reason in STOP_REASONS
 
 
+def test_wait_ready_returns_once_woken_refitted_fresh_or_shut_down(standin_config: dict) -> None:
+    """``wait_ready`` (what the server waits in for a sleeping engine): it returns when the
+    trainer's call that makes the generation ready ends, or False once it never can be."""
+    gen = make(PlainGeneration, standin_config)
+    source = zero_weights(gen)
+    assert gen.ready and gen.wait_ready(0)
+    gen.finish_generation()
+    assert not gen.ready and not gen.wait_ready(0)
+    waiter = InThread(gen.wait_ready)
+    gen.prepare_for_generation(["weights"])
+    assert not gen.ready, "the KV cache is still asleep"
+    gen.prepare_for_generation()
+    assert waiter.result() is True
+
+    gen.fail_apply = True
+    with pytest.raises(RuntimeError, match="lost a bucket"):
+        gen.refit(source)
+    assert not gen.ready and not gen.wait_ready(0), "stale weights"
+    waiter = InThread(gen.wait_ready)
+    gen.fail_apply = False
+    gen.refit(source)
+    assert waiter.result() is True
+
+    gen.finish_generation()
+    waiter = InThread(gen.wait_ready)
+    gen.shutdown()
+    assert waiter.result() is False and not gen.ready
+
+
 def test_shutdown_ends_streamed_samples_aborted(standin_config: dict) -> None:
     gen = make(StandInGeneration, standin_config)
     rollout = gen.submit(prompts_batch([5, 6], [7], pad=standin_config["pad_token_id"]))

@@ -50,7 +50,8 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 def serialised(method: _Method) -> _Method:
     """Run ``method`` under the generation's lock: calls from several threads on one generation
     object run one at a time, in the order they take the lock. A worker that died
-    (``WorkerError.died``) ends the generation: later calls raise that error at once."""
+    (``WorkerError.died``) ends the generation: later calls raise that error at once. Threads in
+    ``wait_ready`` look again once the call ends (it may have woken the engine or refitted it)."""
 
     @functools.wraps(method)
     def locked(self: BaseGeneration, *args: Any, **kwargs: Any) -> Any:
@@ -60,6 +61,8 @@ def serialised(method: _Method) -> _Method:
             except WorkerError as exc:
                 self._worker_failed(exc)
                 raise
+            finally:
+                self._state_changed()
 
     return cast(_Method, locked)
 
@@ -99,6 +102,8 @@ class BaseGeneration(ABC):
         self._weight_spec: WeightSpec | None = None
         #: Calls from several threads run one at a time (a refit waits for a running generate).
         self._lock = threading.RLock()
+        #: Notified after every call that may change ``ready`` (``wait_ready`` waits on it).
+        self._readiness = threading.Condition()
         #: The batch of the generate in progress, and its samples' settings.
         self._params: tuple[Mapping[str, Any], bool, list[SampleParams]] | None = None
         #: Samples streamed by ``submit``, and the weight version.
@@ -167,11 +172,34 @@ class BaseGeneration(ABC):
         """False once the generation was shut down or one of its engine workers died."""
         return not self._closed and self._dead is None
 
+    @property
+    def ready(self) -> bool:
+        """Whether ``generate`` and ``submit`` can run now as far as the generation's state goes:
+        usable, every part awake (``prepare_for_generation``), its weights not stale."""
+        stale = "updates" in self.__dict__ and self.updates.stale is not None  # made by the first call
+        return self.usable and self._awake >= set(WAKE_TAGS) and not stale
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until ``ready`` or until the generation can never be (shut down, a worker
+        died), at most ``timeout_s`` seconds (None: no limit); returns ``ready``. For callers in
+        other threads that find the engine asleep or stale (``EngineAsleep``, ``StaleWeights``)
+        and would rather wait for the trainer's ``prepare_for_generation`` or refit than fail
+        (``rollgen.serve`` does). It takes no lock: a call in progress (a refit) is waited for
+        by the call that follows, as usual."""
+        with self._readiness:
+            self._readiness.wait_for(lambda: self.ready or not self.usable, timeout_s)
+        return self.ready
+
+    def _state_changed(self) -> None:
+        with self._readiness:
+            self._readiness.notify_all()
+
     def _worker_failed(self, error: WorkerError) -> None:
         """A worker failed (in a call, or while streaming samples): if it died, the generation
         ends with it (later calls raise that death at once)."""
         if error.died and self._dead is None:
             self._dead = error
+            self._state_changed()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -583,6 +611,7 @@ class BaseGeneration(ABC):
         if self._closed:
             return
         self._closed = True
+        self._state_changed()
         if "updates" in self.__dict__:
             self.updates.close()
         self._streams.close()

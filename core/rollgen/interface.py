@@ -53,6 +53,13 @@ class GenerationInterface(Protocol):
         """False once shut down or once an engine worker died (create a new generation)."""
 
     @property
+    def ready(self) -> bool:
+        """Whether it can generate now: usable, awake, its weights not stale."""
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until ``ready`` (or until it can never be), at most ``timeout_s``; returns ``ready``."""
+
+    @property
     def weight_version(self) -> int:
         """How many weight updates have completed (streamed tokens are stamped with it)."""
 

@@ -82,6 +82,7 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
             "weight_version": served.gen.weight_version,
             "usable": served.gen.usable,
             "requests_running": state.running,
+            "requests_waiting": served.waiting,
             "sessions": len(state.sessions),
             "closing": state.closing,
         }

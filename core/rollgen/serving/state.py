@@ -26,7 +26,7 @@ class Limits:
     max_body_bytes: int = 16 * 2**20
     #: Sessions kept; past it, a new session gets 429.
     max_sessions: int = 10_000
-    #: How long a request waits for the generation (a refit, a sleep) before 503.
+    #: How long a request waits for the generation (a refit, a wake, a sleep) before 503.
     submit_timeout_s: float = 60.0
     #: The ``Retry-After`` a 503 says.
     retry_after_s: int = 1
