@@ -8,6 +8,7 @@ with Events and Conditions, and a join with a timeout is only ever a safety net.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -123,12 +124,12 @@ class StandInBackend(Recorder):
         return self.streams
 
     def submit(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8, tag: Any = None
     ) -> tuple[Rollout, list[SampleRequest]]:
         """Submit a batch as ``BaseGeneration.submit`` does; returns the rollout and the requests
         started by this call (none while an update holds new samples)."""
         ids, lengths = right_pad([list(p) for p in prompts], PAD, torch.long)
-        rollout = Rollout(self.book, BatchedDataDict({"input_ids": ids, "input_lengths": lengths}), PAD)
+        rollout = Rollout(self.book, BatchedDataDict({"input_ids": ids, "input_lengths": lengths}), PAD, tag)
         before = len(self.started)
         self.book.submit(rollout, [tuple(p) for p in prompts], [sample_params(max_new_tokens)] * len(prompts))
         return rollout, self.started[before:]
@@ -236,6 +237,55 @@ def test_each_result_once_in_finish_order_and_wait_in_batch_order(caplog: pytest
         [8, 9, 10, 20, EOS, PAD, PAD],
     ]
     assert out["logprobs"][1, 1:3].tolist() == pytest.approx([-0.7, -0.8])
+
+
+def test_results_of_rollouts_in_one_queue_name_their_rollout() -> None:
+    backend = StandInBackend()
+    first, first_requests = backend.submit([(5,), (6,)], tag="step-1")
+    second, second_requests = backend.submit([(7,), (8,)], tag=("step", 2))
+    for request in second_requests + first_requests:
+        backend.finish(request, (30, EOS))
+    queue = drain(second) + drain(first)
+    assert [(r.tag, r.index) for r in queue] == [
+        (("step", 2), 0),
+        (("step", 2), 1),
+        ("step-1", 0),
+        ("step-1", 1),
+    ]
+    assert {r.rollout_id for r in queue} == {first.rollout_id, second.rollout_id} and len(queue) == 4
+    assert first.rollout_id != second.rollout_id and first.tag == "step-1"
+    assert queue[0] == dataclasses.replace(queue[2], tag=None), "== compares what was generated"
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_groups_yield_whole_groups_in_completion_order_in_row_order(use_async: bool) -> None:
+    """Rows 0-1 and 2-3 are two groups of 2: the group finished first comes first, once all of
+    it finished, its rows in order; from threads and from asyncio alike."""
+    backend = StandInBackend()
+    rollout, requests = backend.submit([(5,), (6,), (7,), (8,)])
+    groups = rollout.groups(2)
+    got: list[list[int]] = []
+    for i in (1, 3, 2):
+        backend.finish(requests[i], (30 + i, EOS))
+
+    def take(group: list[SampleResult]) -> None:
+        got.append([r.index for r in group])
+        if len(got) == 1:  # group 0 is not whole before its row 0 ends
+            backend.finish(requests[0], (30, EOS))
+
+    async def take_async() -> None:
+        async for group in groups:
+            take(group)
+
+    if use_async:
+        asyncio.run(take_async())
+    else:
+        for group in groups:
+            take(group)
+    assert got == [[2, 3], [0, 1]]
+    for bad in (3, 0, True, 1.0):
+        with pytest.raises(InputError, match="group size"):
+            rollout.groups(bad)  # type: ignore[arg-type]
 
 
 def test_blocking_iteration_yields_each_result_as_it_is_delivered() -> None:
@@ -930,6 +980,34 @@ def test_hf_weight_version_counts_refits_and_stamps_streamed_tokens(hf_engine: A
     expected = engine.generate(batch, greedy=True)
     assert torch.equal(out["output_ids"], expected["output_ids"])
     assert out["stop_reasons"] == expected["stop_reasons"]
+
+
+def test_hf_rollouts_feeding_one_queue_in_whole_groups(hf_engine: Any) -> None:
+    """Two tagged rollouts of two prompts times two samples each, forwarded group by group into
+    one asyncio queue (as an async GRPO trainer takes them): every group whole, each result
+    naming its rollout."""
+    engine = hf_engine
+    batch = prompts_batch([5, 6, 7], [5, 6, 7], [8, 9], [8, 9], pad=engine.cfg["pad_token_id"])
+
+    async def run() -> list[list[SampleResult]]:
+        queue: asyncio.Queue[list[SampleResult]] = asyncio.Queue()
+
+        async def forward(rollout: Rollout) -> None:
+            async for group in rollout.groups(2):
+                await queue.put(group)
+
+        rollouts = [engine.submit(batch, tag=f"step-{i}") for i in range(2)]
+        await asyncio.gather(*(forward(r) for r in rollouts))
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+
+    groups = asyncio.run(run())
+    assert sorted((g[0].tag, [r.index for r in g]) for g in groups) == [
+        ("step-0", [0, 1]),
+        ("step-0", [2, 3]),
+        ("step-1", [0, 1]),
+        ("step-1", [2, 3]),
+    ]
+    assert all(len({r.rollout_id for r in g}) == 1 and all(r.token_ids for r in g) for g in groups)
 
 
 def test_hf_generate_raises_while_a_rollout_is_in_flight(hf_engine: Any) -> None:

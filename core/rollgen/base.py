@@ -304,14 +304,15 @@ class BaseGeneration(ABC):
         return self._streams.version
 
     @serialised
-    def submit(self, data: Mapping[str, Any], greedy: bool = False) -> Rollout:
+    def submit(self, data: Mapping[str, Any], greedy: bool = False, *, tag: Any = None) -> Rollout:
         """Start generating for a batch (``generate``'s input) and return at once; the returned
-        ``Rollout`` yields each sample's result as it finishes. Batches submitted while others
-        run share the engine (continuous batching); a weight update in between says what happens
-        to them (``mode`` of ``refit``/``update_weights``)."""
+        ``Rollout`` yields each sample's result as it finishes (each carrying ``tag``, the
+        caller's name for the rollout). Batches submitted while others run share the engine
+        (continuous batching); a weight update in between says what happens to them (``mode``
+        of ``refit``/``update_weights``)."""
         self.require(Capability.ASYNC, "submit (streamed rollouts)")
         batch, params = self._prepare(data, greedy)
-        rollout = Rollout(self._streams, batch, self.cfg["pad_token_id"])
+        rollout = Rollout(self._streams, batch, self.cfg["pad_token_id"], tag)
         self.updates.prefixes_cached = True
         self._streams.submit(rollout, unpad(batch["input_ids"], batch["input_lengths"]), params)
         return rollout

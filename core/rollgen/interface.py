@@ -66,9 +66,9 @@ class GenerationInterface(Protocol):
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
         """Right-padded ``input_ids``/``input_lengths`` in; GenerationOutputSpec out."""
 
-    def submit(self, data: Mapping[str, Any], greedy: bool = False) -> Rollout:
+    def submit(self, data: Mapping[str, Any], greedy: bool = False, *, tag: Any = None) -> Rollout:
         """``generate``'s input in; returns at once a ``Rollout`` that yields each sample as it
-        finishes (capability ``async``)."""
+        finishes, each result carrying ``tag`` (capability ``async``)."""
 
     def generate_text(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
         """``{"prompts": [str], "stop_strings"?: [...]}`` in; ``{"texts": [str]}`` out."""

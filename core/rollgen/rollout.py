@@ -62,14 +62,19 @@ class FinishedSample:
 
 @dataclass(frozen=True)
 class SampleResult:
-    """One sample of a rollout. ``versions``: (weight version, index of the first generated
-    token it produced), in order; a sample that ran under one version has one segment."""
+    """One sample of a rollout. ``index``: its row in the batch; ``versions``: (weight version,
+    index of the first generated token it produced), in order; a sample that ran under one
+    version has one segment. ``rollout_id`` and ``tag`` (the caller's ``submit(..., tag=)``)
+    name its rollout, so results of several rollouts in one queue can be told apart; they are
+    left out of ``==``, which compares what was generated."""
 
     index: int
     token_ids: list[int]
     logprobs: list[float]
     stop_reason: str
     versions: tuple[tuple[int, int], ...]
+    rollout_id: int = field(default=-1, compare=False)
+    tag: Any = field(default=None, compare=False)
 
     def version_at(self, position: int) -> int:
         """The weight version that produced generated token ``position``."""
@@ -107,8 +112,12 @@ class Rollout:
 
     _ids = itertools.count()
 
-    def __init__(self, streams: Streams, batch: BatchedDataDict[Any], pad_token_id: int) -> None:
+    def __init__(
+        self, streams: Streams, batch: BatchedDataDict[Any], pad_token_id: int, tag: Any = None
+    ) -> None:
+        #: Unique among this process's rollouts; every result carries it, and ``tag``.
         self.rollout_id = next(self._ids)
+        self.tag = tag
         self.size = int(batch.size)
         self._streams = streams
         self._batch = batch
@@ -211,6 +220,16 @@ class Rollout:
                         if (loop, future) in self._waiters:
                             self._waiters.remove((loop, future))
 
+    def groups(self, k: int) -> Groups:
+        """The results in groups of ``k`` consecutive rows (rows ``g*k`` to ``g*k + k - 1``: the
+        ``k`` samples of one prompt in a GRPO batch), iterated from threads or asyncio: each
+        group once all its samples finished, in the order groups complete, its results in row
+        order. It takes the results as iterating the rollout does. InputError unless ``k``
+        divides the rollout's size."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or self.size % k:
+            raise InputError(f"groups({k!r}): a group size must be a positive int dividing {self.size}")
+        return Groups(self, k)
+
     def wait(self) -> list[SampleResult]:
         """Every sample's result, in batch order (waits for them; results already taken from the
         iteration are included)."""
@@ -233,6 +252,33 @@ class Rollout:
         out["stop_reasons"] = [r.stop_reason for r in results]
         out["weight_versions"] = [r.versions for r in results]
         return out
+
+
+class Groups:
+    """``Rollout.groups(k)``: whole groups of ``k`` rows, as each completes."""
+
+    def __init__(self, rollout: Rollout, k: int) -> None:
+        self._rollout, self._k = rollout, k
+        self._pending: dict[int, dict[int, SampleResult]] = {}
+
+    def _add(self, result: SampleResult) -> list[SampleResult] | None:
+        """The group ``result`` completes, in row order; None while it has rows to come."""
+        group = self._pending.setdefault(result.index // self._k, {})
+        group[result.index] = result
+        if len(group) < self._k:
+            return None
+        del self._pending[result.index // self._k]
+        return [group[i] for i in sorted(group)]
+
+    def __iter__(self) -> Iterator[list[SampleResult]]:
+        for result in self._rollout:
+            if (group := self._add(result)) is not None:
+                yield group
+
+    async def __aiter__(self) -> AsyncIterator[list[SampleResult]]:
+        async for result in self._rollout:
+            if (group := self._add(result)) is not None:
+                yield group
 
 
 def _index(value: Any) -> int:
@@ -365,7 +411,18 @@ class Streams:
     def _finish(self, sample: _Sample, reason: str) -> None:
         # a sample that never started is stamped with the version it would have run under
         versions = tuple(sample.versions) or ((self.version, 0),)
-        sample.rollout._put(SampleResult(sample.index, sample.token_ids, sample.logprobs, reason, versions))
+        rollout = sample.rollout
+        rollout._put(
+            SampleResult(
+                sample.index,
+                sample.token_ids,
+                sample.logprobs,
+                reason,
+                versions,
+                rollout.rollout_id,
+                rollout.tag,
+            )
+        )
 
     @contextmanager
     def update(self, mode: UpdateMode, fresh: Callable[[], bool]) -> Iterator[None]:
