@@ -1010,6 +1010,16 @@ def test_hf_rollouts_feeding_one_queue_in_whole_groups(hf_engine: Any) -> None:
     assert all(len({r.rollout_id for r in g}) == 1 and all(r.token_ids for r in g) for g in groups)
 
 
+def test_hf_takes_replica_0_or_none_and_reports_no_replica(hf_engine: Any) -> None:
+    batch = prompts_batch([5, 6, 7], pad=hf_engine.cfg["pad_token_id"])
+    for bad in (1, -1, True, "0"):
+        with pytest.raises(InputError, match="replica"):
+            hf_engine.submit(batch, replica=bad)
+    assert hf_engine.replica_load() == []
+    (result,) = hf_engine.submit(batch, greedy=True, replica=0).wait()
+    assert result.replica is None and result.token_ids
+
+
 def test_hf_generate_raises_while_a_rollout_is_in_flight(hf_engine: Any) -> None:
     engine = hf_engine
     batch = prompts_batch([5, 6, 7], pad=engine.cfg["pad_token_id"])

@@ -37,7 +37,7 @@ from rollgen.refit import (
 )
 from rollgen.refit.link import EngineLink, InProcessLink
 from rollgen.refit.updates import WeightUpdates
-from rollgen.rollout import Rollout, SampleRequest, Streams, UpdateMode
+from rollgen.rollout import ReplicaLoad, Rollout, SampleRequest, Streams, UpdateMode
 from rollgen.sampling import SampleParams, resolve_sampling, truncate_at_stop
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
 
@@ -304,18 +304,32 @@ class BaseGeneration(ABC):
         return self._streams.version
 
     @serialised
-    def submit(self, data: Mapping[str, Any], greedy: bool = False, *, tag: Any = None) -> Rollout:
+    def submit(
+        self, data: Mapping[str, Any], greedy: bool = False, *, tag: Any = None, replica: int | None = None
+    ) -> Rollout:
         """Start generating for a batch (``generate``'s input) and return at once; the returned
         ``Rollout`` yields each sample's result as it finishes (each carrying ``tag``, the
         caller's name for the rollout). Batches submitted while others run share the engine
         (continuous batching); a weight update in between says what happens to them (``mode``
-        of ``refit``/``update_weights``)."""
+        of ``refit``/``update_weights``). ``replica``: the data-parallel replica to prefer
+        while it has room (one that holds the prompts' prefix; ``SampleResult.replica`` says
+        where a sample ran); None: the least loaded."""
         self.require(Capability.ASYNC, "submit (streamed rollouts)")
+        replicas = max(1, len(self.replica_load()))
+        if replica is not None and (
+            isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas
+        ):
+            raise InputError(f"submit(replica={replica!r}): a replica is an int in [0, {replicas}) or None")
         batch, params = self._prepare(data, greedy)
         rollout = Rollout(self._streams, batch, self.cfg["pad_token_id"], tag)
         self.updates.prefixes_cached = True
-        self._streams.submit(rollout, unpad(batch["input_ids"], batch["input_lengths"]), params)
+        self._streams.submit(rollout, unpad(batch["input_ids"], batch["input_lengths"]), params, replica)
         return rollout
+
+    def replica_load(self) -> list[ReplicaLoad]:
+        """Each data-parallel replica's streamed samples (running, capacity, started so far),
+        in replica order; empty where the backend runs one engine that places nothing."""
+        return []
 
     def _stream_stop_reason(self, params: SampleParams, end: int, tokens: list[int]) -> str:
         return stop_reason(

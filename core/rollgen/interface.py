@@ -12,7 +12,7 @@ from rollgen.data import BatchedDataDict
 from rollgen.model_info import ModelInfo
 from rollgen.refit import Transport, WeightBucket, WeightSpec
 from rollgen.refit.weight_sync import SyncBackend, SyncGroupSpec
-from rollgen.rollout import Rollout, UpdateMode
+from rollgen.rollout import ReplicaLoad, Rollout, UpdateMode
 from rollgen.spec import Capability
 
 
@@ -66,9 +66,15 @@ class GenerationInterface(Protocol):
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
         """Right-padded ``input_ids``/``input_lengths`` in; GenerationOutputSpec out."""
 
-    def submit(self, data: Mapping[str, Any], greedy: bool = False, *, tag: Any = None) -> Rollout:
+    def submit(
+        self, data: Mapping[str, Any], greedy: bool = False, *, tag: Any = None, replica: int | None = None
+    ) -> Rollout:
         """``generate``'s input in; returns at once a ``Rollout`` that yields each sample as it
-        finishes, each result carrying ``tag`` (capability ``async``)."""
+        finishes, each result carrying ``tag`` (capability ``async``); ``replica``: the
+        data-parallel replica to prefer while it has room."""
+
+    def replica_load(self) -> list[ReplicaLoad]:
+        """Each data-parallel replica's streamed samples (empty for a backend of one engine)."""
 
     def generate_text(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
         """``{"prompts": [str], "stop_strings"?: [...]}`` in; ``{"texts": [str]}`` out."""

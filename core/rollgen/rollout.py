@@ -39,18 +39,22 @@ UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
 class SampleRequest:
     """One sample as a backend is asked to generate it: ``key`` names it in the backend's
     reports; ``prompt_ids`` is the prompt (after a ``keep`` update: the prompt and the tokens
-    generated so far)."""
+    generated so far); ``replica``: the data-parallel replica the caller would have it run on
+    (``submit(..., replica=)``: one holding its prefix), a preference a backend with several
+    replicas honours while that replica has room (None: the least loaded)."""
 
     key: str
     prompt_ids: tuple[int, ...]
     params: SampleParams
+    replica: int | None = None
 
 
 @dataclass(frozen=True)
 class FinishedSample:
     """A backend's report of one sample that ended: its generated tokens and their logprobs;
     ``aborted`` when it ended because it was asked to; ``error`` when the engine failed it;
-    ``started`` False when no engine had started it (it waited on the driver for one with room)."""
+    ``started`` False when no engine had started it (it waited on the driver for one with room);
+    ``replica``: the data-parallel replica it ran on (None: the backend has one engine)."""
 
     key: str
     token_ids: tuple[int, ...]
@@ -58,6 +62,7 @@ class FinishedSample:
     aborted: bool = False
     error: str | None = None
     started: bool = True
+    replica: int | None = None
 
 
 @dataclass(frozen=True)
@@ -65,8 +70,9 @@ class SampleResult:
     """One sample of a rollout. ``index``: its row in the batch; ``versions``: (weight version,
     index of the first generated token it produced), in order; a sample that ran under one
     version has one segment. ``rollout_id`` and ``tag`` (the caller's ``submit(..., tag=)``)
-    name its rollout, so results of several rollouts in one queue can be told apart; they are
-    left out of ``==``, which compares what was generated."""
+    name its rollout, so results of several rollouts in one queue can be told apart;
+    ``replica`` is the data-parallel replica it last ran on (None: a backend of one engine, or
+    it never started). They are left out of ``==``, which compares what was generated."""
 
     index: int
     token_ids: list[int]
@@ -75,6 +81,7 @@ class SampleResult:
     versions: tuple[tuple[int, int], ...]
     rollout_id: int = field(default=-1, compare=False)
     tag: Any = field(default=None, compare=False)
+    replica: int | None = field(default=None, compare=False)
 
     def version_at(self, position: int) -> int:
         """The weight version that produced generated token ``position``."""
@@ -93,6 +100,9 @@ class _Sample:
     attempt: int = 0
     #: Why the core asked the backend to abort it (None: it runs to its end).
     ending: Literal["cancelled", "aborted", "continue"] | None = None
+    #: The replica the caller prefers, and the one it last ran on.
+    prefer: int | None = None
+    replica: int | None = None
 
     @property
     def key(self) -> str:
@@ -101,7 +111,19 @@ class _Sample:
     def request(self) -> SampleRequest:
         done = len(self.token_ids)
         params = dataclasses.replace(self.params, max_new_tokens=self.params.max_new_tokens - done)
-        return SampleRequest(self.key, self.prompt_ids + tuple(self.token_ids), params)
+        return SampleRequest(self.key, self.prompt_ids + tuple(self.token_ids), params, self.prefer)
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One data-parallel replica's streamed samples (``gen.replica_load()``): ``running``, sent
+    to it and not yet ended; ``capacity``, how many it decodes at once (0: it failed, it gets
+    none); ``started``, how many were started on it so far."""
+
+    replica: int
+    running: int
+    capacity: int
+    started: int
 
 
 class Rollout:
@@ -326,9 +348,16 @@ class Streams:
             return len(self._running) + len(self._held)
 
     def submit(
-        self, rollout: Rollout, prompts: list[tuple[int, ...]], params: Sequence[SampleParams]
+        self,
+        rollout: Rollout,
+        prompts: list[tuple[int, ...]],
+        params: Sequence[SampleParams],
+        replica: int | None = None,
     ) -> None:
-        samples = [_Sample(rollout, i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        samples = [
+            _Sample(rollout, i, p, sp, prefer=replica)
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
         with self._cond:
             if self._updating:
                 self._held.extend(samples)
@@ -391,6 +420,8 @@ class Streams:
             self._nonfinite()
         sample.token_ids.extend(f.token_ids)
         sample.logprobs.extend(f.logprobs)
+        if f.started and f.replica is not None:
+            sample.replica = f.replica
         tokens, params = sample.token_ids, sample.params
         # a sample that reached its end as it was stopped has nothing left to continue
         complete = len(tokens) >= params.max_new_tokens or bool(
@@ -421,6 +452,7 @@ class Streams:
                 versions,
                 rollout.rollout_id,
                 rollout.tag,
+                sample.replica,
             )
         )
 

@@ -26,7 +26,7 @@ from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
 from rollgen.errors import ConfigError, WorkerError
 from rollgen.refit import WeightBucket, dtype_name
-from rollgen.rollout import SampleRequest
+from rollgen.rollout import ReplicaLoad, SampleRequest
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +229,9 @@ class RayGeneration(BaseGeneration):
 
     def _stream_abort(self, keys: list[str]) -> None:
         self._dispatcher.abort(keys)
+
+    def replica_load(self) -> list[ReplicaLoad]:
+        return self._dispatcher.load()
 
     def _apply_bucket(self, bucket: WeightBucket) -> None:
         self.updates.link.apply_bucket(bucket, reset_prefix=False)

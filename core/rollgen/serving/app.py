@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -85,6 +86,7 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
             "requests_waiting": served.waiting,
             "sessions": len(state.sessions),
             "closing": state.closing,
+            "replicas": [dataclasses.asdict(r) for r in served.gen.replica_load()],
         }
 
     @app.post("/v1/rollgen/cancel", dependencies=guarded)

@@ -5,6 +5,7 @@ in flight as its ``mode`` says (``wait``, ``abort``, ``keep``)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -94,15 +95,16 @@ class ServedGeneration:
             batch["stop_strings"] = [req.stop_strings()] * n
         return batch
 
-    async def submit(self, batch: dict[str, Any]) -> Rollout:
+    async def submit(self, batch: dict[str, Any], replica: int | None = None) -> Rollout:
         """``gen.submit(batch)`` off the event loop. It waits while the trainer holds the
         generation (a refit, a wake), has put it to sleep (``finish_generation``) or left its
         weights stale (a refit failed part-way), up to ``submit_timeout_s`` in all, then a 503
-        with ``Retry-After`` (a rollout that starts after that is cancelled at once)."""
+        with ``Retry-After`` (a rollout that starts after that is cancelled at once).
+        ``replica``: the one to prefer (a session's last), as ``gen.submit`` takes it."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.submit_timeout_s
         while True:
-            started = loop.run_in_executor(None, self.gen.submit, batch)
+            started = loop.run_in_executor(None, functools.partial(self.gen.submit, batch, replica=replica))
             try:
                 return await asyncio.wait_for(asyncio.shield(started), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:

@@ -88,7 +88,9 @@ class Turn:
         rid = self.req.request_id
         if rid is not None and rid in self.state.requests:
             raise HttpError(400, f"request_id {rid!r} is in flight already")
-        self.rollout = await self.state.served.submit(self.state.served.batch(self.prompt, self.req))
+        batch = self.state.served.batch(self.prompt, self.req)
+        replica = self.session.replica if self.session is not None else None
+        self.rollout = await self.state.served.submit(batch, replica)
         if rid is not None:
             self.state.requests[rid] = self.rollout
 
