@@ -401,7 +401,8 @@ def test_a_request_that_comes_while_asleep_is_answered_once_awake(
     gen: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A request to a sleeping generation waits for the trainer's ``prepare_for_generation``
-    (the status endpoint counts it as waiting), then is answered as any other."""
+    (the status endpoint counts it as waiting), then is answered as any other; one still
+    waiting when the server stops gets 503 then."""
     entered = threading.Event()
     wait_ready = gen.wait_ready
 
@@ -431,3 +432,24 @@ def test_a_request_that_comes_while_asleep_is_answered_once_awake(
     (answer,) = answers
     assert answer.status_code == 200, answer.text
     assert len(answer.json()["choices"][0]["rollgen"]["token_ids"]) == 2
+
+    entered.clear()
+    answers.clear()
+    gen.finish_generation()
+    try:
+        with rollgen.serve(gen, api_key=KEY) as server:
+            ask["model"] = server.model_id
+            request = threading.Thread(
+                target=lambda: answers.append(
+                    httpx.post(f"{server.url}/completions", headers=auth, json=ask, timeout=120)
+                )
+            )
+            request.start()
+            assert entered.wait(60), "the request did not wait for the generation"
+        request.join()  # the server stopped with the request waiting
+    finally:
+        gen.prepare_for_generation()
+    (stopped,) = answers
+    assert stopped.status_code == 503 and stopped.json()["error"]["code"] == "server_shutting_down", (
+        stopped.text
+    )

@@ -42,6 +42,7 @@ class ServedGeneration:
         #: Requests waiting for the generation to wake or be refitted; the thread that waits.
         self.waiting = 0
         self._ready: asyncio.Future[bool] | None = None
+        self._closing = False
 
     @property
     def chat_template(self) -> str | None:
@@ -128,11 +129,20 @@ class ServedGeneration:
                     await asyncio.wait_for(asyncio.shield(self._ready), left)
                 except asyncio.TimeoutError:
                     return False
+                if self._closing:
+                    raise HttpError(503, "the server is shutting down", "server_shutting_down", retry=True)
                 if self._ready.result() or not self.gen.usable:
                     return True
             return False
         finally:
             self.waiting -= 1
+
+    def close(self) -> None:
+        """The server stops (call in its event loop): requests waiting for the generation get
+        503 now rather than at their timeout."""
+        self._closing = True
+        if self._ready is not None:
+            _settle(self._ready, False)
 
     def _late(self, why: str, code: str = "generation_busy") -> HttpError:
         return HttpError(
