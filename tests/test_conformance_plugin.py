@@ -92,6 +92,7 @@ def pytest_runtest_setup(item):
     if "test_empty_batch" in item.name:
         seen = json.loads(pathlib.Path({str(report)!r}).read_text())
         assert [t["test"].split("::")[-1] for t in seen["tests"]] == ["test_registration"]
+        assert seen["running"] == "TestConformance::test_empty_batch", seen["running"]
 """
     )
     result = suite.runpytest_inprocess(
@@ -107,6 +108,7 @@ def pytest_runtest_setup(item):
     assert data["header"]["backend"] == "claims"
     assert data["header"]["distribution"] == "rollgen-suite-backends"
     assert data["header"]["spec_version"] == 1 and "logprobs" in data["header"]["capabilities"]
+    assert data["running"] is None, "no test runs once the run ended"
     assert {t["outcome"] for t in data["tests"]} == {"passed", "failed"}
     failed = next(t for t in data["tests"] if t["outcome"] == "failed")
     assert "claimed broken" in failed["error"], "a failure's text is in the report"

@@ -30,7 +30,7 @@ from rollgen.model_info import ModelInfo
 from rollgen.output import empty_output, finish_output, stop_reason
 from rollgen.refit import Named, WeightBucket, WeightSpec
 from rollgen.refit.weight_sync import SyncBackend, SyncGroup, SyncGroupSpec, WeightSender, receive
-from rollgen.rollout import Rollout, SampleRequest, Streams, UpdateMode
+from rollgen.rollout import InFlightSample, Rollout, SampleRequest, Streams, UpdateMode
 from rollgen.sampling import SampleParams, resolve_sampling, truncate_at_stop
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
 
@@ -79,6 +79,10 @@ class BaseGeneration(ABC):
     local_transport: refit_mod.Transport = "tensors"
     #: Whether the engine runs in this process (its end of a weight-sync group joins here).
     engines_in_process: ClassVar[bool] = True
+    #: How long ``shutdown`` waits for the engine to report the streamed samples it aborts; one
+    #: not reported by then fails its rollout, named (a setting of the object: set it before
+    #: ``shutdown``).
+    shutdown_grace_s: float = 60.0
 
     def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
         from rollgen.registry import get_registry
@@ -289,6 +293,12 @@ class BaseGeneration(ABC):
         """How many weight updates (refits) have completed on this generation object; every
         streamed token is stamped with the version that produced it."""
         return self._streams.version
+
+    def samples_in_flight(self) -> list[InFlightSample]:
+        """The streamed samples not yet reported, with how long each has run and whether it was
+        asked to end: what a call that waits for them (``Rollout.wait``, an update, ``shutdown``)
+        is waiting for."""
+        return self._streams.samples()
 
     @serialised
     def submit(self, data: Mapping[str, Any], greedy: bool = False) -> Rollout:
@@ -776,7 +786,7 @@ class BaseGeneration(ABC):
             return
         self._closed = True
         self._sender = self._sync_group = None
-        self._streams.close()
+        self._streams.close(self.shutdown_grace_s)
         self._shutdown()
 
     def __enter__(self) -> BaseGeneration:

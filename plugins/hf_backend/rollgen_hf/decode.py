@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rollgen.sampling import SampleParams
+from rollgen.sampling import SampleParams, process_logits
 
 
 @dataclass
@@ -26,21 +26,6 @@ def to_left_padded(ids: torch.Tensor, lengths: torch.Tensor, pad: int) -> tuple[
     mask = src >= 0
     left = torch.where(mask, ids[:, :width].gather(1, src.clamp(min=0)), torch.full_like(src, pad))
     return left, mask.long()
-
-
-def process_logits(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Temperature, top-k and top-p per row (temperature 0 rows are left unscaled)."""
-    scaled = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(scaled.shape[-1], device=scaled.device).unsqueeze(0)
-    drop = (top_k > 0).unsqueeze(1) & (ranks >= top_k.unsqueeze(1))
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    drop |= (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
-    filtered = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scaled).scatter_(-1, order, filtered)
 
 
 def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
