@@ -8,7 +8,6 @@ import pytest
 import rollgen.registry
 from rollgen import Backend, Capability, GenerationConfig, hookimpl
 from rollgen.registry import PluginRecord, Registry
-from rollgen.testing.tiny_model import cache_root, tiny_model_dir
 
 pytest_plugins = ["pytester"]
 
@@ -53,21 +52,6 @@ class Broken:
     @hookimpl
     def rollgen_register_backends(self, register):
         raise RuntimeError("this plugin is broken at registration")
-
-
-@pytest.fixture(scope="session")
-def prepared() -> str:
-    """What the runs below must find ready, done before pytester snapshots the process: the tiny
-    models' cache (pytester points HOME elsewhere, where they would be built again: minutes), and
-    the example engine's imports (an in-process run unloads the modules it imported, which breaks
-    transformers' lazy imports in the next run). Returns the cache folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import rollgen_example.engine  # noqa: F401
-
-    AutoModelForCausalLM.from_pretrained(tiny_model_dir())
-    AutoTokenizer.from_pretrained(tiny_model_dir())
-    return str(cache_root())
 
 
 @pytest.fixture

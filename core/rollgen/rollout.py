@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 #: under the new weights, and their tokens carry both versions).
 UpdateMode = Literal["wait", "abort", "keep"]
 UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
+#: Logged for a report of a sample that is not running: reported twice, or never started.
+STRAY_REPORT = "a backend reported sample %r, which is not running (reported twice, or never started)"
 
 
 @dataclass(frozen=True)
@@ -342,7 +344,7 @@ class Streams:
             for f in finished:
                 sample = self._running.pop(f.key, None)
                 if sample is None:
-                    logger.warning("a backend reported sample %r, which is not running", f.key)
+                    logger.error(STRAY_REPORT, f.key)
                     continue
                 try:
                     self._ended(sample, f)

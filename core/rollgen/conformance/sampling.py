@@ -140,7 +140,8 @@ class SamplingTests:
         )
         got = int(out["generation_lengths"][0])
         assert got == expected, (
-            f"generation length of sample 0: {got}, expected {expected} (stop string {stop!r})"
+            f"stop strings: sample 0 generated {got} tokens, expected {expected}: it must end at the token "
+            f"that completes its stop string {stop!r}, kept"
         )
         assert out["stop_reasons"][0] == "stop_string", (
             f"stop reason of sample 0: {out['stop_reasons'][0]!r}, expected 'stop_string' ({stop!r})"

@@ -23,7 +23,7 @@ from rollgen.conformance.checks import (
     skip_unless_declared,
 )
 from rollgen.output import STOP_REASONS, generated_mask
-from rollgen.rollout import Rollout, SampleResult
+from rollgen.rollout import STRAY_REPORT, Rollout, SampleResult
 from rollgen.spec import Capability
 from rollgen.testing.reference import agreement, next_token_logprobs, scored_logprobs
 
@@ -84,11 +84,17 @@ def check_segments(
     gaps = (top - expected)[wrong]
     stats["argmax_near_ties"] = int(wrong.sum())
     assert (gaps < 2 * bound["max_abs"]).all(), (
-        f"{label}: greedy tokens that are not their version's argmax at {wrong.nonzero().tolist()}, "
+        f"{label}: the tokens do not agree with the weights of their version (each token is stamped "
+        f"with the weight version that made it): greedy tokens that are not their version's argmax at "
+        f"{wrong.nonzero().tolist()}, "
         f"behind it by {gaps.tolist()} (a near-tie is below {2 * bound['max_abs']})"
     )
     for key in ("max_abs", "token_mult_prob_error"):
-        assert stats[key] <= bound[key], f"{label}: {key} {stats[key]:.4g} above {bound[key]} ({stats})"
+        assert stats[key] <= bound[key], (
+            f"{label}: the tokens' logprobs do not agree with the weights of their version (each token "
+            f"is stamped with the weight version that made it): {key} {stats[key]:.4g} above {bound[key]} "
+            f"({stats})"
+        )
     cut = sum(len(s) > 1 for s in out["weight_versions"])
     request.node.user_properties += [(f"{label}_{k}", v) for k, v in stats.items()]
     request.node.user_properties.append((f"{label}_cut_mid_sample", cut))
@@ -104,7 +110,8 @@ def untrained_weights(
     other: str,
 ) -> Iterator[bool]:
     """The shared engine on the refit target's untrained weights, whose greedy samples mostly run
-    to their budget, and back on its own after; yields False (nothing changed) where the backend
+    to their budget, and back on its own after (unless samples are still in flight: the test
+    failed, and the next one gets a new engine); yields False (nothing changed) where the backend
     declares no refit."""
     if not can_refit(caps):
         yield False
@@ -113,11 +120,23 @@ def untrained_weights(
     try:
         yield True
     finally:
-        engine.refit(references(model_dir, "float32"))
+        if not engine.samples_in_flight():  # else the test failed, and the engine is remade
+            engine.refit(references(model_dir, "float32"))
 
 
 class StreamingTests:
     """``submit`` on the shared engine, which ends each test on its original weights, idle."""
+
+    @pytest.fixture(autouse=True)
+    def reported_once(self, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+        """After each test: the backend reported no sample that was not running."""
+        yield
+        records = caplog.get_records("setup") + caplog.get_records("call")
+        strays = [r.args[0] for r in records if r.msg == STRAY_REPORT and isinstance(r.args, tuple)]
+        assert not strays, (
+            f"the backend reported samples {strays} that were not running: each started sample must be "
+            "reported once (reported twice?)"
+        )
 
     def gate(self, engine: Any, caps: frozenset[Capability], batch: dict[str, torch.Tensor]) -> None:
         skip_unless_declared(Capability.ASYNC in caps, "async", lambda: engine.submit(batch))
@@ -255,7 +274,7 @@ class StreamingTests:
                 aborted = [r.index for r in results if r.stop_reason == "aborted"]
                 request.node.user_properties.append(("abort_aborted_samples", len(aborted)))
         finally:
-            if engine.weight_version == running:
+            if engine.weight_version == running and not engine.samples_in_flight():
                 engine.refit(old)
         assert_same_generation(
             request, f"{mode}_then_generate", engine.generate(batch, greedy=True), greedy_out

@@ -1,8 +1,10 @@
 """The suite's per-test time limit (``--rollgen-test-timeout``): a test still running when it
 expires fails, naming what it was waiting for and the streamed samples its engines never
-reported, instead of hanging the run. Setup, call and teardown share the limit. A POSIX timer
-signal interrupts the waiting call in the main thread; elsewhere (no ``setitimer``, or pytest
-not in the main thread) tests run without a limit."""
+reported, instead of hanging the run. Setup, call and teardown share the limit; a phase that
+starts after it expired (the teardown of a test that ran past it) gets a grace of its own, and
+cleanup that hangs after an expiry is interrupted again after each grace. A POSIX timer signal
+interrupts the waiting call in the main thread; elsewhere (no ``setitimer``, or pytest not in
+the main thread) tests run without a limit."""
 
 from __future__ import annotations
 
@@ -47,7 +49,11 @@ def limited(item: pytest.Item, phase: str) -> Generator[None, None, None]:
         return
     if phase == "setup":
         item.stash[DEADLINE] = time.monotonic() + limit
-    left = item.stash.get(DEADLINE, time.monotonic() + limit) - time.monotonic()
+    grace = min(limit, 60.0)
+    left = max(
+        item.stash.get(DEADLINE, time.monotonic() + limit) - time.monotonic(),
+        grace if phase == "teardown" else 0.001,
+    )
 
     def expire(signum: int, frame: FrameType | None) -> None:
         samples = in_flight()
@@ -59,7 +65,7 @@ def limited(item: pytest.Item, phase: str) -> Generator[None, None, None]:
         )
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, max(left, 0.001))
+    signal.setitimer(signal.ITIMER_REAL, left, grace)
     try:
         yield
     finally:

@@ -97,6 +97,10 @@ class Decoder:
         n = int(self.lengths[i])
         return self.tokens[i, :n].tolist(), self.logprobs[i, :n].tolist()
 
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits each row samples from (``rollgen.sampling.process_logits``)."""
+        return process_logits(logits, self.temperature, self.top_k, self.top_p)
+
     def run(self) -> Decoded:
         """Decode every row to its end."""
         while not self.finished:
@@ -108,7 +112,7 @@ class Decoder:
         """Choose one token for every running row; returns the rows that ended with it."""
         logits, step, batch, device = self.logits, self.step_index, self.batch, self.device
         raw = logits.log_softmax(-1)
-        processed = process_logits(logits, self.temperature, self.top_k, self.top_p).log_softmax(-1)
+        processed = self.process(logits).log_softmax(-1)
         uniforms = torch.rand(batch, generator=self.generator)
         for i, g in self.row_gens.items():
             uniforms[i] = torch.rand(1, generator=g)[0]
