@@ -7,6 +7,7 @@ the suite's time limit, naming the samples never reported. One in-process run of
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,9 @@ def test_the_suite_fails_a_backend_that_breaks_a_rule(
         failed = [t for t in json.loads(report.read_text())["tests"] if t["outcome"] == "failed"]
         assert failed and "ran past --rollgen-test-timeout=8 s" in failed[0]["error"], failed
         assert mutant.says in failed[0]["error"], failed[0]["error"]
+
+
+def test_the_docs_table_names_every_broken_backend() -> None:
+    table = (Path(__file__).resolve().parents[1] / "docs" / "conformance-rules.md").read_text()
+    named = set(re.findall(r"`((?:sampling|engine|streaming)\.\w+)`", table))
+    assert named == {m.cls.replace(":", ".") for m in MUTANTS}, "docs/conformance-rules.md's table"
