@@ -1,7 +1,7 @@
 """PNG plots of recorded benchmark results (the JSON the runners write), for BENCHMARKS.md.
 
 pip install 'rollgen[bench]'
-python -m benchmarks.plot benchmarks/results/2026-11-30-h200-c30eed2 --out docs/img
+python -m benchmarks.plot results/benchmarks/2026-11-30-h200-c30eed2 --out docs/img
 """
 
 from __future__ import annotations

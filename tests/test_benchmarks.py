@@ -248,8 +248,10 @@ def test_benchmark_extension_profiles_and_times_through_collective_rpc(bench_vll
     row = refit.profile(bench_vllm, state, bucket_mib=1)
     assert row["loaded_by"] == "loaded" and row["map_ms"] >= 0 and row["load_ms"] > 0
     assert row["total_ms"] >= row["pack_ms"] and row["bucket_mib"] == 1
-    assert bench_vllm._channels  # open: every bucket goes over them
-    refit.channel_round_trip(bench_vllm._channels)  # the breakdown's floor: loads nothing
+    assert bench_vllm.updates.link.channels.channels  # open: every bucket goes over them
+    refit.channel_round_trip(
+        bench_vllm.updates.link.channels.channels
+    )  # the breakdown's floor: loads nothing
     assert bench_vllm.collective_rpc("bench_last_load")[0][0]["way"] == "loaded"  # the profile's
     driver = refit.driver_profile(bench_vllm, [state], repeats=2)
     assert driver[0]["function"] == "(all profiled)" and driver[0]["own_ms_per_refit"] > 0
@@ -323,3 +325,15 @@ def test_long_tail_methods_generate_the_same_tokens_on_hf(hf_config: dict) -> No
         pause = long_tail.keep_refit_pause(gen, state, greedy, first=2, repeats=1)
         assert pause["samples"] == 12 and pause["refit_keep_ms"] > 0 and pause["refit_idle_ms"] > 0
         assert gen.weight_version == 2  # the idle refit and the keep-mode one
+
+
+def test_the_serve_benchmark_runs_both_contestants(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A smoke run (the figures belong in BENCHMARKS.md, not here): the server and in-process
+    submit generate the same greedy tokens for the same load."""
+    from benchmarks import serve
+
+    rows = serve.main(["--requests", "4", "--in-flight", "2", "--max-tokens", "3", "--out", str(tmp_path)])
+    by_name = {r["contestant"]: r for r in rows}
+    assert set(by_name) == {"in-process submit", "rollgen serve"}
+    assert by_name["rollgen serve"]["tokens"] == by_name["in-process submit"]["tokens"] > 0
+    assert (tmp_path / "serve.json").is_file()

@@ -10,17 +10,15 @@ import socket
 import subprocess
 import sys
 import threading
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from rollgen import auth
-from rollgen.distributed.generation import RayGeneration
 from rollgen.errors import RefitError, WorkerError
 from rollgen.refit import TensorMeta, WeightBucket, channel
-from rollgen.refit.channel import Channel, ChannelServer
+from rollgen.refit.channel import Channel, ChannelServer, EngineChannels
 
 CPU = torch.device("cpu")
 
@@ -111,12 +109,6 @@ class Rank:
         return True
 
 
-def driver_of(channels: list[list[Channel]], pickled: Any = None) -> SimpleNamespace:
-    """The part of a ``RayGeneration`` its ``_send_over_channels`` uses."""
-    dumps = pickled or (lambda bucket, i: pickle.dumps(bucket))
-    return SimpleNamespace(_held=[{} for _ in channels], _pickled=dumps, _channels=channels, name="test")
-
-
 def test_the_driver_sends_a_kept_layout_by_name_once_each_engine_holds_it() -> None:
     """Two engines of two ranks: the first refit of a layout carries its pickle, later ones the
     name alone; a rank that lost the layout gets the pickle next; an error on one rank is raised
@@ -125,10 +117,10 @@ def test_the_driver_sends_a_kept_layout_by_name_once_each_engine_holds_it() -> N
     ranks = [Rank() for _ in range(4)]
     channels = [[serve(r.handle) for r in ranks[:2]], [serve(r.handle) for r in ranks[2:]]]
     bucket = WeightBucket("tensors", (TensorMeta("w", (2,), "float32"),), [torch.ones(2)], layout="L")
-    driver = driver_of(channels)
+    engines = EngineChannels(channels)
 
     def refit() -> None:
-        RayGeneration._send_over_channels(driver, bucket, channels)  # type: ignore[arg-type]
+        engines.send(bucket, lambda b, i: pickle.dumps(b))
 
     refit()
     refit()
@@ -144,7 +136,7 @@ def test_the_driver_sends_a_kept_layout_by_name_once_each_engine_holds_it() -> N
     del ranks[3].kept["L"]
     refit()  # answers in step: rank 3's miss is its own, and it gets the pickle
     assert [r.requests[-1] for r in ranks] == [("L", False)] * 3 + [("L", True)]
-    assert ranks[3].requests[-2] == ("L", False) and driver._channels is channels
+    assert ranks[3].requests[-2] == ("L", False) and engines.channels is channels
     channel.close(channels)
 
 
@@ -162,21 +154,43 @@ def test_a_failure_before_or_while_sending_leaves_the_channels_in_step() -> None
         return pickle.dumps(b)
 
     with pytest.raises(RuntimeError, match="cannot export"):
-        RayGeneration._send_over_channels(driver_of(channels, no_pickle), bucket, channels)  # type: ignore[arg-type]
+        EngineChannels(channels).send(bucket, no_pickle)
     assert all(r.requests == [] for r in ranks)
-    driver = driver_of(channels)
-    RayGeneration._send_over_channels(driver, bucket, channels)  # type: ignore[arg-type]
+    engines = EngineChannels(channels)
+    engines.send(bucket, lambda b, i: pickle.dumps(b))
     assert all(r.requests == [("L", True)] for r in ranks)
     ranks[0].fail = True
     channels[1][0].close()  # as if its engine's process had ended
     with pytest.raises(WorkerError, match="engine rank 0: its refit channel closed") as died:
-        RayGeneration._send_over_channels(driver, bucket, channels)  # type: ignore[arg-type]
+        engines.send(bucket, lambda b, i: pickle.dumps(b))
     assert died.value.died
     assert [len(r.requests) for r in ranks] == [2, 1, 1]  # rank 0, asked before, answered; not rank 2
     ranks[0].fail = False
     for ch in (channels[0][0], channels[2][0]):  # their next answers are their own
         ch.send(("L", None))
         assert ch.result() is True
+    channel.close(channels)
+
+
+def test_a_rank_that_does_not_answer_within_the_deadline_is_wedged() -> None:
+    """A rank whose load never returns (a stand-in handler): ``result`` raises its death once
+    the deadline (short here) has passed and closes its channel; the other ranks still answer
+    first, and the refit raises the death."""
+    ranks = [Rank(), Rank()]
+    channels = [
+        [serve(ranks[0].handle)],
+        [serve(lambda _: threading.Event().wait())],
+        [serve(ranks[1].handle)],
+    ]
+    bucket = WeightBucket("tensors", (TensorMeta("w", (2,), "float32"),), [torch.ones(2)], layout="L")
+    with pytest.raises(
+        WorkerError, match="did not answer over its refit channel within call_timeout_s=0.5"
+    ) as wedged:
+        EngineChannels(channels).send(bucket, lambda b, i: pickle.dumps(b), timeout_s=0.5)
+    assert wedged.value.died
+    assert all(r.requests == [("L", True)] for r in ranks)
+    with pytest.raises(WorkerError, match="its refit channel closed"):
+        channels[1][0].send(("L", None))
     channel.close(channels)
 
 

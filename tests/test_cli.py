@@ -52,6 +52,9 @@ def test_cli_config_is_the_tiny_config_without_the_conformance_hook() -> None:
         (["demo", "--backend", "no-such-backend"], NOT_FOUND),
         (["generate", "hi", "--config", "{x"], "--config is not valid JSON"),
         (["generate", "hi", "--config", "[1]"], "--config must be a JSON object, got '[1]'"),
+        (["serve", "/no/such/config.json"], "neither JSON text nor a readable file"),
+        (["serve", '{"backend": "no-such-backend"'], "is not valid JSON"),
+        (["serve", '{"backend": "no-such-backend"}'], NOT_FOUND),
     ],
 )
 def test_a_rollgen_error_is_one_line(args: list[str], message: str) -> None:

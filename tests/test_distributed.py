@@ -230,21 +230,3 @@ def test_engine_plan_refuses_what_cannot_work_on_the_machine() -> None:
         plan(False, enable_sleep_mode=True)
     with pytest.raises(ConfigError, match="whole GPU per rank"):
         plan(True, tensor_parallel_size=2, gpus_per_bundle=0.5)
-
-
-def test_an_error_returned_by_an_engine_worker_survives_msgspec_and_is_raised_as_itself() -> None:
-    """vLLM's engine core sends results with msgspec: an error a worker extension returns
-    (``returns_errors``) must get through it and come out as its own rollgen type."""
-    msgspec = pytest.importorskip("msgspec")
-    from rollgen.distributed.worker import reraise, returns_errors
-    from rollgen.errors import RefitError
-
-    @returns_errors
-    def load() -> None:
-        raise RefitError("weight update rejected", ["a: missing"], stale=True)
-
-    received = msgspec.msgpack.decode(msgspec.msgpack.encode([returns_errors(lambda: 7)(), load()]))
-    with pytest.raises(RefitError, match="weight update rejected") as err:
-        reraise(received)
-    assert err.value.problems == ["a: missing"] and err.value.stale
-    assert reraise([7, None]) == [7, None]

@@ -42,3 +42,22 @@ def test_the_async_example_refits_while_samples_run() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     assert "refit to weight version 2 after 8 samples" in run.stdout, run.stdout
     assert "samples 12," in run.stdout, run.stdout
+
+
+def test_the_agent_loop_trains_on_the_engines_own_tokens() -> None:
+    """examples/agent_loop.py: episodes at once over the openai client, a keep-mode refit after
+    each; every session's tokens score, under the weights of their versions, as the engine said
+    (which versions an episode spans depends on the machine's speed)."""
+    run = subprocess.run(
+        [sys.executable, str(EXAMPLES / "agent_loop.py"), "--episodes", "3", "--turns", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    episodes = [line for line in run.stdout.splitlines() if line.startswith("episode ")]
+    assert len(episodes) == 3, run.stdout
+    for line in episodes:
+        versions = json.loads(line[line.index("versions ") + 9 : line.index("]") + 1])
+        assert versions and set(versions) <= {0, 1, 2}, line
+        assert float(line.rsplit(" ", 1)[1]) < 1e-4, line

@@ -34,6 +34,8 @@ from rollgen.refit import (
     unflatten,
     unpack_request,
 )
+from rollgen.testing.faults import Unreadable
+from rollgen.testing.links import RecordingLink
 
 
 def _receiver(conn) -> None:
@@ -162,6 +164,13 @@ def test_a_bad_bucket_size_is_a_refit_error(size: object) -> None:
         list(iter_buckets({"a": torch.ones(1)}, "tensors", bucket_bytes=size))  # type: ignore[arg-type]
 
 
+def test_buckets_of_a_tensor_without_values_or_with_a_cast_to_no_dtype_are_refused() -> None:
+    with pytest.raises(RefitError, match="meta device"):
+        list(iter_buckets({"a": torch.ones(1), "b": torch.empty(2, device="meta")}, "tensors"))
+    with pytest.raises(RefitError, match=r"got 'bfloat16' \(pass torch.bfloat16\)"):
+        list(iter_buckets({"a": torch.ones(1)}, "tensors", dtype="bfloat16"))  # type: ignore[arg-type]
+
+
 def test_refit_matches_independent_hf(hf_config: dict) -> None:
     """Refit the HF engine with perturbed weights; logprobs follow an independent HF model."""
     from rollgen.output import generated_mask
@@ -228,7 +237,7 @@ def test_refit_resets_the_prefix_cache_only_after_a_generate(hf_config: dict, mo
 
 
 def test_a_refit_that_fails_part_way_marks_the_generation_stale(hf_config: dict) -> None:
-    """The last bucket holds a tensor that cannot be read (a meta tensor: it passes the name,
+    """The last bucket holds a tensor that cannot be read (a stand-in: it passes the name,
     shape and dtype checks, then the engine fails to copy it). The buckets before it were
     applied, so the engine holds mixed weights: generate refuses until a complete refit."""
     from rollgen import StaleWeights
@@ -236,10 +245,10 @@ def test_a_refit_that_fails_part_way_marks_the_generation_stale(hf_config: dict)
 
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
     state = load_reference_model(hf_config["model_name"]).state_dict()
-    broken = {**state, "lm_head.weight": torch.empty_like(state["lm_head.weight"], device="meta")}
+    broken = {**state, "lm_head.weight": state["lm_head.weight"].clone().as_subclass(Unreadable)}
     with rollgen.create_generation(hf_config) as engine:
         before = engine.generate(batch, greedy=True)
-        with pytest.raises(NotImplementedError):
+        with pytest.raises(RuntimeError, match="injected fault"):
             engine.refit(broken, bucket_bytes=64 << 10, check_finite=False)
         with pytest.raises(StaleWeights, match="refit failed at bucket"):
             engine.generate(batch, greedy=True)
@@ -248,7 +257,8 @@ def test_a_refit_that_fails_part_way_marks_the_generation_stale(hf_config: dict)
 
 
 def test_a_rejected_refit_leaves_the_engine_serving(hf_config: dict) -> None:
-    """NaN weights, a missing tensor, a bad source: RefitError before anything is applied."""
+    """NaN weights, a missing tensor, a bad source, a tensor without values (on the meta
+    device), a cast to what is not a dtype: RefitError before anything is applied."""
     from rollgen.testing import load_reference_model
 
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
@@ -263,32 +273,40 @@ def test_a_rejected_refit_leaves_the_engine_serving(hf_config: dict) -> None:
             engine.refit({k: v for k, v in state.items() if k != "lm_head.weight"})
         with pytest.raises(RefitError, match="refit source"):
             engine.refit(None)  # type: ignore[arg-type]
+        meta = {**state, "model.norm.weight": torch.empty_like(state["model.norm.weight"], device="meta")}
+        with pytest.raises(RefitError, match="meta device") as empty:
+            engine.refit(meta)
+        assert empty.value.problems == ["model.norm.weight"]
+        for dtype in ["float32", torch.int8, 32]:
+            with pytest.raises(RefitError, match=r"dtype must be None \(no cast\) or one of torch.float32"):
+                engine.refit(state, dtype=dtype)  # type: ignore[arg-type]
         with pytest.raises(RefitError, match="update_weights takes"):
             engine.update_weights(None)  # type: ignore[arg-type]
         assert torch.equal(engine.generate(batch, greedy=True)["output_ids"], before["output_ids"])
 
 
-def test_the_prefix_reset_comes_with_the_last_bucket(hf_config: dict, monkeypatch) -> None:
-    """A refit after a generate hands its last bucket to ``_apply_last_bucket`` (engines reached
-    over a round trip load it and reset the prefix cache in one call), the others to
-    ``_apply_bucket``; a refit after no generate resets nothing."""
+def test_the_prefix_reset_comes_with_the_last_bucket(hf_config: dict) -> None:
+    """A refit after a generate asks the link to load its last bucket with the prefix-cache reset
+    (engines reached over a round trip do both in one call), the others without; a refit after
+    no generate resets nothing; a NaN output makes the next complete refit clear the KV cache."""
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
     with rollgen.create_generation(hf_config) as engine:
-        calls: list[str] = []
-        apply, last = engine._apply_bucket, engine._apply_last_bucket
-        monkeypatch.setattr(engine, "_apply_bucket", lambda b: (calls.append("bucket"), apply(b)))
-        monkeypatch.setattr(engine, "_apply_last_bucket", lambda b: (calls.append("last"), last(b)))
-        monkeypatch.setattr(engine, "_reset_prefix_cache", lambda: calls.append("reset"))
+        link = RecordingLink(engine.updates.link)
+        engine.updates.link = link
         weights = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in engine.weight_spec.items()}
         count = len(list(bucket_groups(weights, 1 << 14)))
         assert count > 2
         engine.generate(batch)
         engine.refit(weights, bucket_bytes=1 << 14)
-        # hf's _apply_last_bucket is the default: the bucket, then the reset
-        assert calls == ["bucket"] * (count - 1) + ["last", "bucket", "reset"]
-        calls.clear()
+        assert link.calls == [("apply", "", False)] * (count - 1) + [("apply", "", True)]
+        link.calls.clear()
         engine.refit(weights, bucket_bytes=1 << 14)
-        assert calls == ["bucket"] * count
+        assert link.calls == [("apply", "", False)] * count
+        link.calls.clear()
+        engine.updates.kv_poisoned = True  # as a generate that returned NaN logprobs leaves it
+        engine.refit(weights, bucket_bytes=1 << 14)
+        assert link.calls == [("apply", "", False)] * count + [("clear",)]
+        assert not engine.updates.kv_poisoned
 
 
 def test_a_kept_layouts_unpacked_tensors_are_held_until_released() -> None:

@@ -299,6 +299,9 @@ def test_cancel_asks_only_for_unfinished_samples_and_checks_indices() -> None:
         rollout.cancel([3, -1])
     with pytest.raises(InputError):
         rollout.cancel(3)
+    for bad in ["0", 1.5, [0, "1"], True, b"\x00"]:
+        with pytest.raises(InputError, match="cancel takes a sample index"):
+            rollout.cancel(bad)  # type: ignore[arg-type]
     assert backend.abort_calls == []
     rollout.cancel()
     assert sorted(backend.abort_calls[0]) == sorted([requests[1].key, requests[2].key])

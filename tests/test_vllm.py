@@ -13,6 +13,7 @@ from rollgen import ConfigError, WorkerError
 from rollgen.distributed import GenerateRequest
 from rollgen.output import generated_mask
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
+from rollgen.testing.links import RecordingLink
 from rollgen.testing.prompts import PROMPTS, encode
 from rollgen.testing.reference import agreement
 
@@ -59,15 +60,14 @@ def test_dp2_equals_dp1(dp1, dp2, batch: dict) -> None:
     assert torch.equal(s1["output_ids"], s2["output_ids"])
 
 
-def test_trainer_loop_logprobs_match_independent_hf(dp2, model_dir: str, batch: dict, monkeypatch) -> None:
+def test_trainer_loop_logprobs_match_independent_hf(dp2, model_dir: str, batch: dict) -> None:
     """generate → update the policy → refit → generate, three times; every step's logprobs are
     what an independent HF model with the trainer's weights computes. Every bucket goes over the
     ranks' refit channels."""
     policy = load_reference_model(model_dir)
     gen = torch.Generator().manual_seed(0)
-    over_channels = []
-    send = dp2._send_over_channels
-    monkeypatch.setattr(dp2, "_send_over_channels", lambda *a: (over_channels.append(a[0]), send(*a)))
+    ray_link = dp2.updates.link
+    link = dp2.updates.link = RecordingLink(ray_link)
     try:
         for step in range(3):
             out = dp2.generate(batch)
@@ -85,9 +85,11 @@ def test_trainer_loop_logprobs_match_independent_hf(dp2, model_dir: str, batch: 
             )
             stats = agreement(out["logprobs"], ref, generated_mask(out, lengths))
             assert stats["max_abs"] < 1e-4, (step, stats)
-        assert [len(ranks) for ranks in dp2._channels] == [1, 1]
-        assert len(over_channels) >= 3 * 2  # three refits of two buckets or more (256 KiB each)
+        assert [len(ranks) for ranks in ray_link.channels.channels] == [1, 1]  # still open: none failed
+        applied = [c for c in link.calls if c[0] == "apply"]
+        assert len(applied) >= 3 * 2  # three refits of two buckets or more (256 KiB each)
     finally:
+        dp2.updates.link = ray_link
         dp2.refit(load_reference_model(model_dir))
 
 
@@ -109,8 +111,8 @@ def test_worker_killed_mid_call_is_a_worker_error(vllm_config: dict, batch: dict
 
 def test_engine_arguments_come_from_the_worker_spec(vllm_config: dict) -> None:
     """``vllm.LLM``'s arguments: rollgen's worker extension, the spec's dtype and context, the GPU
-    memory share on GPU only, and ``vllm_kwargs`` with the last word. No setting for a particular
-    machine is added."""
+    memory share on GPU only, whole prefills on CPU (vLLM-CPU fails seeded chunked ones), and
+    ``vllm_kwargs`` with the last word. No setting for a particular machine is added."""
     from rollgen.config import validate_config
     from rollgen.distributed.generation import plan_engines
     from rollgen_vllm.config import VllmConfig
@@ -130,6 +132,8 @@ def test_engine_arguments_come_from_the_worker_spec(vllm_config: dict) -> None:
     assert gpu["enable_sleep_mode"] is True and cpu["enable_sleep_mode"] is False
     assert "gpu_memory_utilization" not in cpu and cpu["kv_cache_memory_bytes"] == 64 << 20
     assert "compilation_config" not in gpu
+    assert cpu["enable_chunked_prefill"] is False and "enable_chunked_prefill" not in gpu
+    assert kwargs(False, enable_chunked_prefill=True)["enable_chunked_prefill"] is True
     assert kwargs(True, enforce_eager=False, seed=3)["enforce_eager"] is False
 
 

@@ -23,6 +23,7 @@ from rollgen import auth
 from rollgen.errors import RefitError
 from rollgen.refit import WeightSpec
 from rollgen.refit.weight_sync import SyncGroup, SyncGroupSpec, WeightSender, receive
+from rollgen.testing.faults import Unreadable
 
 
 def source() -> dict[str, torch.Tensor]:
@@ -142,10 +143,10 @@ def test_a_source_the_sender_cannot_read_is_refused_on_every_rank() -> None:
 
 
 def test_a_bucket_the_sender_fails_to_pack_is_skipped_and_the_update_is_stale_everywhere() -> None:
-    """The last bucket holds a meta tensor (its shape and dtype pass; packing it fails): the
-    receivers load the buckets before it, skip it, and every rank raises a stale RefitError."""
+    """The last bucket holds a tensor that fails to copy (a stand-in): the receivers load the
+    buckets before it, skip it, and every rank raises a stale RefitError."""
     state = source()
-    broken = {**state, "lm_head.weight": torch.empty(16, 8, device="meta")}
+    broken = {**state, "lm_head.weight": torch.zeros(16, 8).as_subclass(Unreadable)}
     error, results = run_update(
         lambda s: s.send(broken, bucket_bytes=300, check_finite=False), spec_of(state)
     )

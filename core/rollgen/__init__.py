@@ -1,5 +1,7 @@
 """rollgen: rollout generation for RL post-training, one contract over many engines."""
 
+from typing import TYPE_CHECKING
+
 from rollgen.api import create_generation
 from rollgen.backend import Backend
 from rollgen.base import BaseGeneration
@@ -35,7 +37,21 @@ from rollgen.spec import (
     GenerationOutputSpec,
 )
 
+if TYPE_CHECKING:
+    from rollgen.serving import serve
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``rollgen.serve`` (``rollgen.serving.serve``), imported on first use: it needs the
+    ``serve`` extra."""
+    if name == "serve":
+        from rollgen.serving import serve
+
+        return serve
+    raise AttributeError(f"module 'rollgen' has no attribute {name!r}")
+
 
 __all__ = [
     "SPEC_VERSION",
@@ -75,4 +91,5 @@ __all__ = [
     "iter_buckets",
     "merge_buckets",
     "pack_bucket",
+    "serve",
 ]

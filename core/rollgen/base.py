@@ -8,12 +8,10 @@ import math
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
-from typing import Any, ClassVar, NamedTuple, TypeVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import torch
 
-from rollgen import refit as refit_mod
 from rollgen.data import BatchedDataDict, right_pad, unpad
 from rollgen.errors import (
     ConfigError,
@@ -28,8 +26,17 @@ from rollgen.errors import (
 )
 from rollgen.model_info import ModelInfo
 from rollgen.output import empty_output, finish_output, stop_reason
-from rollgen.refit import Named, WeightBucket, WeightSpec
-from rollgen.refit.weight_sync import SyncBackend, SyncGroup, SyncGroupSpec, WeightSender, receive
+from rollgen.refit import (
+    TRANSPORT_CAPABILITY,
+    SyncBackend,
+    SyncGroupSpec,
+    TensorMeta,
+    Transport,
+    WeightBucket,
+    WeightSpec,
+)
+from rollgen.refit.link import EngineLink, InProcessLink
+from rollgen.refit.updates import WeightUpdates
 from rollgen.rollout import InFlightSample, Rollout, SampleRequest, Streams, UpdateMode
 from rollgen.sampling import SampleParams, resolve_sampling, truncate_at_stop
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
@@ -38,18 +45,6 @@ logger = logging.getLogger(__name__)
 
 WAKE_TAGS = ("weights", "kv_cache")
 _Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-class Packing(NamedTuple):
-    """How a ``refit`` packs: the buckets' groups of named tensors, and ``pack(group,
-    check_finite)`` → bucket (checking the values after any cast, with ``check_finite``);
-    ``checks``: packing checks every value before anything is sent, so ``refit`` need not read
-    the source first; ``prepare``: what comes before the first bucket (with the engines idle)."""
-
-    groups: list[list[tuple[str, torch.Tensor]]]
-    pack: Callable[[Named, bool], WeightBucket]
-    checks: bool = False
-    prepare: Callable[[], None] = lambda: None
 
 
 def serialised(method: _Method) -> _Method:
@@ -63,8 +58,7 @@ def serialised(method: _Method) -> _Method:
             try:
                 return method(self, *args, **kwargs)
             except WorkerError as exc:
-                if exc.died and self._dead is None:
-                    self._dead = exc
+                self._worker_failed(exc)
                 raise
 
     return cast(_Method, locked)
@@ -76,7 +70,7 @@ class BaseGeneration(ABC):
     implements ``_generate``, ``_apply_bucket`` and the other ``_``-prefixed engine hooks."""
 
     #: Transport ``refit()`` packs local sources with; backends override.
-    local_transport: refit_mod.Transport = "tensors"
+    local_transport: Transport = "tensors"
     #: Whether the engine runs in this process (its end of a weight-sync group joins here).
     engines_in_process: ClassVar[bool] = True
     #: How long ``shutdown`` waits for the engine to report the streamed samples it aborts; one
@@ -102,34 +96,15 @@ class BaseGeneration(ABC):
         self.max_model_len = int(self.cfg.get("max_model_len") or context)
         self._check_limits_of_config()
         self._awake = set(WAKE_TAGS)
-        #: Whether the engine may hold cached prefixes: a generate ran since the last reset (a
-        #: sleep resets too). A refit resets the prefix cache only then.
-        self._prefixes_cached = False
         self._closed = False
         #: The death of an engine worker, which ended this generation.
         self._dead: WorkerError | None = None
         self._tokenizer: Any = None
         self._weight_spec: WeightSpec | None = None
-        #: Why the engine may hold mixed weights (a refit failed part-way), until a complete refit.
-        self._stale: str | None = None
         #: Calls from several threads run one at a time (a refit waits for a running generate).
         self._lock = threading.RLock()
         #: The batch of the generate in progress, and its samples' settings.
         self._params: tuple[Mapping[str, Any], bool, list[SampleParams]] | None = None
-        #: The layout of the last refit source that passed the checks, and its buckets (by
-        #: index into its tensors) for a bucket size: a trainer refits the same layout each step.
-        self._checked_layout: tuple[Any, ...] | None = None
-        self._refit_groups: tuple[Any, list[list[int]]] = (None, [])
-        #: The bucket size of refits that give none, set by the first of them (a quarter of the
-        #: source GPU's free memory then): every later one has the same buckets.
-        self._default_bucket_bytes: int | None = None
-        #: A generate returned non-finite logprobs: the engine's KV cache may hold NaNs, which
-        #: the next complete refit clears.
-        self._kv_poisoned = False
-        #: The weight-sync group (``init_weight_sync``), and its sender when it is this process.
-        self.weight_sync: SyncGroupSpec | None = None
-        self._sender: WeightSender | None = None
-        self._sync_group: SyncGroup | None = None
         #: Samples streamed by ``submit``, and the weight version.
         self._streams = Streams(
             self._stream_start, self._stream_abort, self._stream_stop_reason, self._nonfinite_logprobs
@@ -196,6 +171,12 @@ class BaseGeneration(ABC):
         """False once the generation was shut down or one of its engine workers died."""
         return not self._closed and self._dead is None
 
+    def _worker_failed(self, error: WorkerError) -> None:
+        """A worker failed (in a call, or while streaming samples): if it died, the generation
+        ends with it (later calls raise that death at once)."""
+        if error.died and self._dead is None:
+            self._dead = error
+
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosed(f"{self.name} generation was shut down; create a new one")
@@ -207,9 +188,9 @@ class BaseGeneration(ABC):
             )
 
     def _check_fresh(self) -> None:
-        if self._stale is not None:
+        if self.updates.stale is not None:
             raise StaleWeights(
-                f"{self.name}: {self._stale}; the engine may hold a mix of old and new weights. "
+                f"{self.name}: {self.updates.stale}; the engine may hold a mix of old and new weights. "
                 "Call refit() (or update_weights()) with the complete weights before generating"
             )
 
@@ -221,11 +202,12 @@ class BaseGeneration(ABC):
     # ---- generation ---------------------------------------------------------------------------
     @serialised
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        self._check_open()
         self._check_idle("generate")
         batch, params = self._prepare(data, greedy)
         if batch.size == 0:
             return empty_output(batch["input_ids"].shape[1])
-        self._prefixes_cached = True  # before the call: a failed generate may have cached some
+        self.updates.prefixes_cached = True  # before the call: a failed generate may have cached some
         self._params = (batch, greedy, params)
         try:
             out = self._generate(batch, greedy)
@@ -245,7 +227,7 @@ class BaseGeneration(ABC):
 
     def _nonfinite_logprobs(self) -> None:
         """An output held NaN or infinite logprobs: the next complete refit clears the KV cache."""
-        self._kv_poisoned = True
+        self.updates.kv_poisoned = True
         logger.warning("%s: NaN or infinite logprobs; are the weights finite?", self.name)
 
     def _prepare(
@@ -277,7 +259,10 @@ class BaseGeneration(ABC):
         return batch, params
 
     def _hits_stop_string(self, params: SampleParams, tokens: list[int]) -> bool:
-        return any(s in self.tokenizer.decode(tokens) for s in params.stop_strings)
+        """Whether ``tokens`` (a sample's generated tokens) hold one of its stop strings: the one
+        rule for every backend, the text as ``generate_text`` returns it (special tokens
+        skipped)."""
+        return any(s in self.tokenizer.decode(tokens, skip_special_tokens=True) for s in params.stop_strings)
 
     def _check_idle(self, what: str) -> None:
         running = self._streams.in_flight
@@ -309,7 +294,7 @@ class BaseGeneration(ABC):
         self.require(Capability.ASYNC, "submit (streamed rollouts)")
         batch, params = self._prepare(data, greedy)
         rollout = Rollout(self._streams, batch, self.cfg["pad_token_id"])
-        self._prefixes_cached = True
+        self.updates.prefixes_cached = True
         self._streams.submit(rollout, unpad(batch["input_ids"], batch["input_lengths"]), params)
         return rollout
 
@@ -401,7 +386,7 @@ class BaseGeneration(ABC):
         if self._awake:
             self._sleep()
             self._awake.clear()
-            self._prefixes_cached = False
+            self.updates.prefixes_cached = False
 
     def _wake(self, tags: list[str]) -> None:  # noqa: B027 - optional hook, a no-op unless the engine needs it
         """Bring ``tags`` back onto the device."""
@@ -410,6 +395,18 @@ class BaseGeneration(ABC):
         """Reset the prefix cache and release memory."""
 
     # ---- refit --------------------------------------------------------------------------------
+    # The public methods check the call and the engine's state, then hand the update to
+    # ``updates`` (``rollgen.refit.WeightUpdates``), which reaches the engine through its link.
+    @functools.cached_property
+    def updates(self) -> WeightUpdates:
+        """This generation's weight updates: their state and their lifecycle."""
+        return WeightUpdates(self.name, self._refit_link(), lambda: self.weight_spec, self._streams)
+
+    def _refit_link(self) -> EngineLink:
+        """How updates reach the engine: by default in this process, through ``_apply_bucket``
+        and the other hooks (backends whose engines live elsewhere give their own)."""
+        return InProcessLink(self)
+
     @property
     def weight_spec(self) -> WeightSpec:
         """What a refit may send: HF checkpoint names, full (unsharded) shapes, engine dtype."""
@@ -427,10 +424,15 @@ class BaseGeneration(ABC):
         """The dtype the engine holds weights in."""
         return resolve_dtype(self.cfg.get("dtype", "auto"), self.model_info)
 
-    def check_weights(self, metas: Iterable[refit_mod.TensorMeta], partial: bool = False) -> None:
+    def check_weights(self, metas: Iterable[TensorMeta], partial: bool = False) -> None:
         """RefitError (listing every problem) unless the tensors match the served model and
         cover all of it (``partial``: whole module groups of it)."""
-        refit_mod.check_against_spec(metas, self.weight_spec, partial)
+        self.updates.check(metas, partial)
+
+    @property
+    def weight_sync(self) -> SyncGroupSpec | None:
+        """The spec of the weight-sync group the engines joined (``init_weight_sync``), if any."""
+        return self.updates.weight_sync
 
     @serialised
     def update_weights(
@@ -452,14 +454,10 @@ class BaseGeneration(ABC):
         for b in items:
             if not isinstance(b, WeightBucket):
                 raise RefitError(f"update_weights takes WeightBucket(s), got {type(b).__name__}")
-            if b.transport not in refit_mod.TRANSPORT_CAPABILITY:
+            if b.transport not in TRANSPORT_CAPABILITY:
                 raise RefitError(f"unknown refit transport {b.transport!r}")
-            self.require(refit_mod.TRANSPORT_CAPABILITY[b.transport], f"refit over {b.transport}")
-        self.check_weights((m for b in items for m in b.metas), partial)
-        for b in items:
-            refit_mod.check_reach(b, self.engine_devices)
-        with self._in_flight_update(mode):
-            self._apply(items, len(items), partial, f"update_weights of {len(items)} bucket(s)")
+            self.require(TRANSPORT_CAPABILITY[b.transport], f"refit over {b.transport}")
+        self.updates.apply_buckets(items, partial, mode)
 
     @serialised
     def refit(
@@ -479,131 +477,29 @@ class BaseGeneration(ABC):
         of the source's GPU then, 64 MiB to 4 GiB, or 1 GiB from host memory; over CUDA IPC into
         staging buffers kept between refits, ``release_refit_buffers``), or broadcast them over
         the weight-sync group when this process is its sender (``init_weight_sync(...,
-        local_sender=True)``). ``dtype`` casts while
-        packing. Over CUDA IPC, RefitError before anything is sent unless the source's GPU
-        holds every engine GPU's handle. ``mode``: what happens to streamed samples in flight
-        (``rollgen.rollout.UpdateMode``; validation comes first, so a rejected refit leaves them
-        running)."""
+        local_sender=True)``). ``dtype`` casts while packing. Over CUDA IPC, RefitError before
+        anything is sent unless the source's GPU holds every engine GPU's handle. ``mode``: what
+        happens to streamed samples in flight (``rollgen.rollout.UpdateMode``; validation comes
+        first, so a rejected refit leaves them running)."""
         self._check_open()
         self._check_awake(["weights"], "refit")
-        self.require(refit_mod.TRANSPORT_CAPABILITY[self.local_transport], "refit")
-        refit_mod.check_source(source)
-        refit_mod.check_bucket_bytes(bucket_bytes)
-        named = list(refit_mod.named_tensors(source))
-        layout = (dtype, partial, tuple((n, t.shape, t.dtype) for n, t in named))
-        if layout != self._checked_layout:  # a trainer refits the same layout every step
-            self.check_weights((refit_mod.TensorMeta.of(n, t, dtype) for n, t in named), partial)
-            self._checked_layout = layout
-        sender = self._sender
-        packing = (
-            None
-            if sender is not None
-            else self._packing(self._bucket_groups(named, bucket_bytes, dtype), dtype)
-        )
-        # where packing checks every value before anything is sent (and no sample in flight
-        # would be touched first), it checks the packed bytes: one pass fewer over the source
-        packed_check = check_finite and not self._streams.in_flight and packing is not None and packing.checks
-        if check_finite and not packed_check:
-            refit_mod.require_finite(named)
-        # the source was checked; a cast to a narrower dtype may still overflow
-        cast_check = packed_check or (check_finite and dtype is not None)
-        with self._in_flight_update(mode):
-            if packing is None:
-                self._broadcast(
-                    cast(WeightSender, sender), source, bucket_bytes, dtype, partial, check_finite
-                )
-            else:
-                packing.prepare()
-                buckets = (packing.pack(group, cast_check) for group in packing.groups)
-                self._apply(buckets, len(packing.groups), partial, "refit")
-
-    def _bucket_groups(
-        self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int | None, dtype: torch.dtype | None
-    ) -> list[list[tuple[str, torch.Tensor]]]:
-        """The buckets ``refit`` packs ``named`` in (kept for the layout and bucket size)."""
-        size = bucket_bytes or self._default_bucket_bytes
-        if size is None:
-            size = self._default_bucket_bytes = refit_mod.default_bucket_bytes(dict(named))
-        key = (self._checked_layout, size)
-        if self._refit_groups[0] != key:
-            self._refit_groups = (key, list(refit_mod.grouped(named, size, dtype)))
-        return [[named[i] for i in group] for group in self._refit_groups[1]]
-
-    def _broadcast(
-        self,
-        sender: WeightSender,
-        source: torch.nn.Module | Mapping[str, torch.Tensor],
-        bucket_bytes: int | None,
-        dtype: torch.dtype | None,
-        partial: bool,
-        check_finite: bool,
-    ) -> None:
-        """Broadcast a validated source over the weight-sync group (this process is its sender)."""
-        self._update_over_sync(
-            lambda: sender.send(
-                source,
-                bucket_bytes=bucket_bytes,
-                dtype=dtype,
-                partial=partial,
-                check_finite=check_finite and dtype is not None,
-            )
+        self.require(TRANSPORT_CAPABILITY[self.local_transport], "refit")
+        self.updates.refit(
+            source,
+            bucket_bytes=bucket_bytes,
+            dtype=dtype,
+            partial=partial,
+            check_finite=check_finite,
+            mode=mode,
         )
 
-    def _packing(self, groups: list[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None) -> Packing:
-        """How ``refit`` packs ``groups``: over ``local_transport``, one handle for each engine
-        GPU (a source on one GPU reaches engines on others), each bucket loaded before the next
-        is packed. Backends with staging buffers pack into those."""
-        devices = self.engine_devices or None
-        return Packing(
-            groups,
-            lambda group, check: refit_mod.pack_bucket(
-                group, self.local_transport, dtype=dtype, check_finite=check, devices=devices
-            ),
-        )
-
-    def release_refit_buffers(self) -> None:  # noqa: B027 - a no-op unless the backend keeps buffers
+    @serialised
+    def release_refit_buffers(self) -> None:
         """Free the buffers ``refit`` keeps between refits (CUDA IPC staging buffers: one of
         the largest bucket on each engine GPU); the next refit makes new ones. A no-op where
         there are none."""
-
-    def _in_flight_update(self, mode: UpdateMode) -> AbstractContextManager[None]:
-        """Around an update's application: streamed samples in flight handled per ``mode``."""
-        return self._streams.update(mode, fresh=lambda: self._stale is None)
-
-    def _apply(self, buckets: Iterable[WeightBucket], count: int, partial: bool, what: str) -> None:
-        """Load ``count`` validated buckets one at a time (each loaded before the next is
-        packed), the last with the prefix-cache reset a generate since the last reset calls for.
-        A failure after the first bucket reached the engine marks the generation stale."""
-        applied = 0
-        try:
-            for bucket in buckets:
-                refit_mod.check_reach(bucket, self.engine_devices)
-                applied += 1
-                if applied == count and self._prefixes_cached and not self._kv_poisoned:
-                    self._apply_last_bucket(bucket)
-                    self._prefixes_cached = False
-                else:
-                    self._apply_bucket(bucket)
-                del bucket
-        except BaseException as exc:
-            if applied:
-                self._mark_stale(f"{what} failed at bucket {applied} ({type(exc).__name__}: {exc})")
-            raise
-        self._after_update(partial)
-
-    def _mark_stale(self, why: str) -> None:
-        self._stale = why
-        logger.error("%s: %s; generation is stale until a complete refit", self.name, why)
-
-    def _after_update(self, partial: bool) -> None:
-        """A complete update clears staleness (and a KV cache poisoned by NaN weights); any
-        update invalidates cached prefixes."""
-        if not partial:
-            self._stale = None
-        if self._kv_poisoned and not partial:
-            self._clear_kv_cache()
-            self._kv_poisoned = self._prefixes_cached = False
-        self._invalidate_prefixes()
+        self._check_idle("release the refit buffers")  # the engines' decoding threads own them
+        self.updates.link.release()
 
     @property
     def engine_devices(self) -> tuple[str, ...]:
@@ -646,51 +542,7 @@ class BaseGeneration(ABC):
         trainer restarts, or a failure broke the group)."""
         self._check_open()
         self.require(Capability.REFIT_COLLECTIVE, "init_weight_sync")
-        if spec.port == 0 and not local_sender:
-            raise RefitError(
-                "the spec's port is 0: pass the sender's spec (rollgen.WeightSender(spec).spec), which "
-                "has the port it listens on"
-            )
-        if spec.world_size != 1 + self.weight_sync_ranks:
-            raise RefitError(
-                f"{self.name}: the group has {spec.world_size} ranks; these engines need 1 + "
-                f"{self.weight_sync_ranks} (make the spec with weight_sync_spec)"
-            )
-        if local_sender and self.engines_in_process:
-            raise RefitError(
-                f"{self.name} runs its engine in this process: refit() here copies the weights directly; "
-                "a weight-sync group is for a trainer in another process (local_sender=False)"
-            )
-        if spec.backend == "nccl":
-            self._check_nccl_devices(local_sender)
-        sender = None
-        if local_sender:
-            sender = WeightSender(spec)  # hosts the group's store (port 0: a free one) at once
-            spec = sender.spec
-        joined = self._join_weight_sync(spec)
-        if sender is not None:
-            sender.connect()
-        joined()
-        self.weight_sync, self._sender = spec, sender
-
-    def _check_nccl_devices(self, local_sender: bool) -> None:
-        """RefitError unless every rank of an NCCL group would have a GPU of its own (NCCL
-        refuses, or hangs on, two ranks of one group on one GPU)."""
-        if self.sync_device.type != "cuda":
-            raise RefitError(
-                f"{self.name}: an NCCL weight-sync group needs the engines on CUDA GPUs; they receive on "
-                f"{self.sync_device}: use backend='gloo' (weight_sync_spec picks it for you)"
-            )
-        devices = list(self.engine_devices)
-        if local_sender and torch.cuda.is_available():
-            devices.append(refit_mod.device_uuid())
-        shared = sorted({d for d in devices if devices.count(d) > 1})
-        if shared:
-            raise RefitError(
-                f"{self.name}: an NCCL weight-sync group needs a GPU per rank, but GPU(s) {shared} would "
-                "hold two (an engine rank and the sender, or two engines sharing a GPU). Colocated: "
-                "refit() over CUDA IPC, without a group; else backend='gloo' or other GPUs"
-            )
+        self.updates.init_weight_sync(spec, local_sender)
 
     @serialised
     def update_weights_from_collective(self, *, mode: UpdateMode = "wait") -> None:
@@ -701,74 +553,12 @@ class BaseGeneration(ABC):
         ``timeout_s``): a closed or sleeping engine, or no group."""
         self._check_open()
         self._check_awake(["weights"], "update weights")
-        if self.weight_sync is None:
-            raise RefitError(f"{self.name}: no weight-sync group; call init_weight_sync first")
-        if self._sender is not None:
-            raise RefitError(f"{self.name}: this process is the group's sender; call refit(source)")
-        with self._in_flight_update(mode):
-            self._update_over_sync(None)
+        self.updates.update_from_collective(mode)
 
-    def _update_over_sync(self, send: Callable[[], None] | None) -> None:
-        """Receive one update on every engine rank while ``send`` (if any) broadcasts it here."""
-        try:
-            received = self._receive_weights(self.weight_spec)
-            if send is not None:
-                sent = False
-                try:
-                    send()
-                    sent = True
-                finally:
-                    if not sent:  # the engines end the update too, raising the sender's error or their own
-                        try:
-                            received()
-                        except Exception as engines:  # noqa: BLE001 - the sender's error is the one raised
-                            logger.debug("%s: the engines' side of the failed update: %r", self.name, engines)
-            partial = received()
-        except BaseException as exc:
-            if not (isinstance(exc, RefitError) and not exc.stale):  # anything but a clean rejection
-                self._mark_stale(f"an update over the weight-sync group failed ({type(exc).__name__}: {exc})")
-            raise
-        self._after_update(partial)
-
-    def _join_weight_sync(self, spec: SyncGroupSpec) -> Callable[[], None]:
-        """Start the engine ranks joining (ranks 1..); returns a wait for them. In process: the
-        engine joins as rank 1 (returning once the sender has joined)."""
-        self._sync_group = SyncGroup(spec, 1, self.sync_device)
-        return lambda: None
-
-    def _receive_weights(self, spec: WeightSpec) -> Callable[[], bool]:
-        """Start every engine rank receiving one update; returns a wait for them that says
-        whether the update was partial. In process: received here, through ``_apply_bucket``."""
-        group = self._sync_group
-        if group is None:
-            raise RefitError(f"{self.name}: no weight-sync group; call init_weight_sync first")
-        partial = receive(
-            group,
-            spec,
-            lambda named: self._apply_bucket(
-                WeightBucket(
-                    "tensors", tuple(refit_mod.TensorMeta.of(n, t) for n, t in named), [t for _, t in named]
-                )
-            ),
-        )
-        return lambda: partial
-
+    # ---- engine hooks of a refit in process (``rollgen.refit.InProcessLink``) --------------------
     @abstractmethod
     def _apply_bucket(self, bucket: WeightBucket) -> None:
         """Load one validated bucket into the engine."""
-
-    def _apply_last_bucket(self, bucket: WeightBucket) -> None:
-        """Load an update's last bucket, then drop every cached prefix (engines reached over a
-        round trip do both in one)."""
-        self._apply_bucket(bucket)
-        self._reset_prefix_cache()
-
-    def _invalidate_prefixes(self) -> None:
-        """After new weights: reset the prefix cache if a generate may have filled it since the
-        last reset (in the colocated loop, generate → sleep → refit → wake, the sleep did)."""
-        if self._prefixes_cached:
-            self._reset_prefix_cache()
-            self._prefixes_cached = False
 
     def _clear_kv_cache(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine needs it
         """Drop cached prefixes and zero the KV cache (after a generate returned NaN logprobs:
@@ -780,12 +570,31 @@ class BaseGeneration(ABC):
         them itself)."""
 
     # ---- shutdown -----------------------------------------------------------------------------
-    @serialised
+    #: Seconds ``shutdown`` waits for a call in progress before it shuts down without it (None:
+    #: for ever). Engines in other processes, which shutdown kills, set it: the call then fails.
+    shutdown_wait_s: ClassVar[float | None] = None
+
     def shutdown(self) -> None:
+        wait_s = self.shutdown_wait_s
+        locked = self._lock.acquire(timeout=-1 if wait_s is None else wait_s)
+        if not locked:
+            logger.warning(
+                "%s: a call still runs after %.0f s; shutting down without waiting for it (it fails)",
+                self.name,
+                wait_s,
+            )
+        try:
+            self._close()
+        finally:
+            if locked:
+                self._lock.release()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._sender = self._sync_group = None
+        if "updates" in self.__dict__:
+            self.updates.close()
         self._streams.close(self.shutdown_grace_s)
         self._shutdown()
 

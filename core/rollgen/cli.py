@@ -1,4 +1,4 @@
-"""The ``rollgen`` command: backends, generate, demo, conformance.
+"""The ``rollgen`` command: backends, generate, demo, serve, conformance.
 
 A rollgen error (``RollgenError``: an unknown backend, a bad config, ...) ends a command with its
 message alone on stderr and exit status 1; ``rollgen --debug ...`` or ``ROLLGEN_DEBUG=1`` shows
@@ -156,6 +156,61 @@ def demo(
     from rollgen.demo import run_demo
 
     run_demo(backend, _config(backend, None, 12, config), console)
+
+
+def read_config(source: str) -> dict[str, Any]:
+    """A generation config from a JSON file's path, or given as JSON text."""
+    from pathlib import Path
+
+    try:
+        text = source if source.lstrip().startswith("{") else Path(source).read_text()
+    except OSError as exc:
+        raise ConfigError(f"the config {source!r} is neither JSON text nor a readable file: {exc}") from exc
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"the config ({source!r}) is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"the config must be a JSON object, got {type(config).__name__}")
+    return config
+
+
+@app.command()
+def serve(
+    config: str = typer.Argument(..., help="a JSON file, or JSON text: create_generation's keys"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (a loopback one by default)"),
+    port: int = typer.Option(8000, help="port (0: a free one)"),
+    api_key: str | None = typer.Option(
+        None, envvar="ROLLGEN_API_KEY", help="the key clients send (default: one generated, printed once)"
+    ),
+    no_auth: bool = typer.Option(False, "--no-auth", help="no API key (loopback hosts only)"),
+    model_id: str | None = typer.Option(None, help="the model name clients pass (default: its folder's)"),
+    tool_parser: str = typer.Option("auto", help="tool-call parser: a registered name, auto or none"),
+) -> None:
+    """Serve an OpenAI-compatible endpoint over a generation (docs/serving.md) until interrupted."""
+    import threading
+
+    import rollgen
+    from rollgen.serving import Server
+
+    with rollgen.create_generation(read_config(config)) as gen:
+        server = Server(
+            gen,
+            host,
+            port,
+            api_key,
+            require_api_key=not no_auth,
+            model_id=model_id,
+            tool_parser=None if tool_parser == "none" else tool_parser,
+        )
+        with server:
+            typer.echo(f"serving {server.model_id} at {server.url}")
+            if server.generated_key:
+                typer.echo(f"api key (generated, shown once): {server.api_key}")
+            try:
+                threading.Event().wait()
+            except KeyboardInterrupt:
+                logger.info("interrupted: stopping the server")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

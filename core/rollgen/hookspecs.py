@@ -42,3 +42,11 @@ def rollgen_conformance_known_failures(backend: str) -> Mapping[str, str] | None
     without its parameters (``test_reference_agreement[float32]``). They run as strict xfails: a
     known failure that starts passing fails the run, so the list stays true.
     """
+
+
+@hookspec
+def rollgen_register_tool_parsers(register: Callable[[str, Callable[[], Any]], None]) -> None:
+    """Register tool-call parsers for ``rollgen serve`` by calling ``register(name, factory)``;
+    ``factory()`` returns a ``rollgen.serving.ToolParser`` (``parse(text)`` → the text left and
+    the tool calls found). The server picks one per model by name (its ``tool_parser`` setting).
+    """

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import operator
 import threading
 import time
 from collections import deque
@@ -51,13 +52,15 @@ class SampleRequest:
 @dataclass(frozen=True)
 class FinishedSample:
     """A backend's report of one sample that ended: its generated tokens and their logprobs;
-    ``aborted`` when it ended because it was asked to; ``error`` when the engine failed it."""
+    ``aborted`` when it ended because it was asked to; ``error`` when the engine failed it;
+    ``started`` False when no engine had started it (it waited on the driver for one with room)."""
 
     key: str
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     aborted: bool = False
     error: str | None = None
+    started: bool = True
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,20 @@ class Rollout:
     def cancel(self, indices: int | Sequence[int] | None = None) -> None:
         """End the samples ``indices`` (None: all of them) that have not finished: each is
         yielded with ``stop_reason="cancelled"`` and the tokens it has."""
-        wanted = range(self.size) if indices is None else [indices] if isinstance(indices, int) else indices
+        if indices is None:
+            wanted = list(range(self.size))
+        else:
+            items: Sequence[Any] = (
+                indices
+                if isinstance(indices, Sequence) and not isinstance(indices, (str, bytes))
+                else [indices]
+            )
+            try:
+                wanted = [_index(i) for i in items]
+            except TypeError:
+                raise InputError(
+                    f"cancel takes a sample index (an int), a sequence of them, or None; got {indices!r}"
+                ) from None
         bad = [i for i in wanted if not 0 <= i < self.size]
         if bad:
             raise InputError(f"cancel: sample indices {bad} are not in this rollout of {self.size}", bad)
@@ -242,6 +258,13 @@ class Rollout:
         out["stop_reasons"] = [r.stop_reason for r in results]
         out["weight_versions"] = [r.versions for r in results]
         return out
+
+
+def _index(value: Any) -> int:
+    """``value`` as a sample index: an int (numpy's and 0-d tensors' too), not a bool."""
+    if isinstance(value, bool):
+        raise TypeError(value)
+    return operator.index(value)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
@@ -373,7 +396,8 @@ class Streams:
         elif not f.aborted or sample.ending is None or (complete and sample.ending == "continue"):
             end = len(sample.prompt_ids) + len(tokens)
             self._finish(sample, self._stop_reason(params, end, tokens))
-        elif sample.ending == "continue":
+        elif sample.ending == "continue" or (sample.ending == "aborted" and self._updating and not f.started):
+            # an update's abort ends the samples that run; one that never started starts after it
             sample.attempt += 1
             self._held.append(sample)
         else:

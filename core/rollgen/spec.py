@@ -91,6 +91,9 @@ class RayEngineCfg(TypedDict):
     log_level: NotRequired[
         Annotated[Literal["debug", "info", "warning", "error", "critical"], Field(default="warning")]
     ]
+    #: Seconds the driver waits for an engine's answer to one call (a generate, a refit's bucket,
+    #: ...) before it kills the engine's worker as wedged: ``WorkerError(died=True)``.
+    call_timeout_s: NotRequired[Annotated[float, Field(gt=0, default=3600.0)]]
 
 
 _Sub = TypeVar("_Sub")

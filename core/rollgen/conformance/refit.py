@@ -24,6 +24,7 @@ from rollgen.errors import RefitError, StaleWeights
 from rollgen.output import generated_mask
 from rollgen.refit import device_uuid
 from rollgen.spec import Capability
+from rollgen.testing.faults import Unreadable
 from rollgen.testing.trainer import start_trainer
 
 
@@ -164,14 +165,15 @@ class RefitTests:
         batch: dict[str, torch.Tensor],
         greedy_out: dict[str, torch.Tensor],
     ) -> None:
-        """The last bucket holds a tensor that cannot be read (a meta tensor: names, shapes and
-        dtypes pass; packing or loading it fails), after earlier buckets reached the engine:
-        generate raises StaleWeights until a complete refit, which restores the outputs."""
+        """The last bucket holds a tensor that cannot be read (``rollgen.testing.faults``, a
+        stand-in: names, shapes and dtypes pass; packing or loading it fails), after earlier
+        buckets reached the engine: generate raises StaleWeights until a complete refit, which
+        restores the outputs."""
         state = {
             k: v.to(engine.engine_dtype) for k, v in references(model_dir, "float32").state_dict().items()
         }
         last = list(state)[-1]
-        broken = {**state, last: torch.empty_like(state[last], device="meta")}
+        broken = {**state, last: state[last].clone().as_subclass(Unreadable)}
         skip_unless_declared(
             can_refit(caps), "refit (refit_tensors or refit_ipc)", lambda: engine.refit(state)
         )

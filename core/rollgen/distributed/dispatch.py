@@ -1,7 +1,7 @@
 """``SampleDispatcher``: the driver's side of streamed samples on engines in Ray actors. Samples
 go to the engine with the most free room (``EngineWorker._capacity`` each), wait on the driver
 when every engine is full, and go out as engines free up; a thread polls the engines that have
-samples and hands what ended to the core."""
+samples and hands what ended to the core, and an engine's failure to the generation."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from rollgen.distributed.worker_groups import RayWorkerGroup
-from rollgen.errors import RollgenError
+from rollgen.errors import RollgenError, WorkerError
 from rollgen.rollout import FinishedSample, SampleRequest
 
 logger = logging.getLogger(__name__)
@@ -27,12 +27,16 @@ WAIT_S = 0.05
 
 class SampleDispatcher:
     """Spreads streamed samples over a worker group's engines and reports ended ones to
-    ``deliver``."""
+    ``deliver``, a worker's failure to ``failed`` (as a call's failure is reported)."""
 
     def __init__(
-        self, group: RayWorkerGroup, capacity: list[int], deliver: Callable[[list[FinishedSample]], None]
+        self,
+        group: RayWorkerGroup,
+        capacity: list[int],
+        deliver: Callable[[list[FinishedSample]], None],
+        failed: Callable[[WorkerError], None],
     ) -> None:
-        self.group, self.capacity, self.deliver = group, list(capacity), deliver
+        self.group, self.capacity, self.deliver, self.failed = group, list(capacity), deliver, failed
         self._lock = threading.Condition()
         self._queue: deque[SampleRequest] = deque()
         self._where: dict[str, int] = {}
@@ -63,7 +67,7 @@ class SampleDispatcher:
             for i, engine_keys in by_engine.items():
                 self._calls[self.group.workers[i].abort_samples.remote(engine_keys)] = i
         if waiting:
-            self.deliver([FinishedSample(r.key, (), (), aborted=True) for r in waiting])
+            self.deliver([FinishedSample(r.key, (), (), aborted=True, started=False) for r in waiting])
 
     def close(self) -> None:
         with self._lock:
@@ -116,6 +120,8 @@ class SampleDispatcher:
             ended: list[FinishedSample] = result if polled else []
         except RollgenError as exc:  # the engine failed: so did every sample it has
             logger.error("%s failed while streaming samples: %s", name, exc)
+            if isinstance(exc, WorkerError):
+                self.failed(exc)
             with self._lock:
                 self.capacity[engine] = 0
                 lost = [k for k, i in self._where.items() if i == engine]

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import pickle
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -19,25 +17,22 @@ from typing import Any, ClassVar
 import ray
 import torch
 
-from rollgen.base import BaseGeneration, Packing, serialised
+from rollgen.base import BaseGeneration
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.dispatch import SampleDispatcher
+from rollgen.distributed.refit_link import RayLink
 from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec, running
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
-from rollgen.errors import ConfigError, RollgenError, WorkerError
-from rollgen.refit import KEPT_UNPACKED, WeightBucket, WeightSpec, channel, dtype_name
-from rollgen.refit.channel import Channel
-from rollgen.refit.in_place import InPlaceSources
-from rollgen.refit.staging import RefitStaging, flat_sizes
-from rollgen.refit.weight_sync import SyncGroupSpec
+from rollgen.errors import ConfigError, WorkerError
+from rollgen.refit import WeightBucket, dtype_name
 from rollgen.rollout import SampleRequest
 
 logger = logging.getLogger(__name__)
 
-#: Seconds the driver waits for engines to let go of staging buffers (on release, or after a
-#: bucket failed on one engine while others still read it).
-STAGED_WAIT_S = 60.0
+#: Seconds ``shutdown`` waits for a call in progress, and then for the engines' own cleanup,
+#: before it kills what has not answered.
+SHUTDOWN_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -140,6 +135,7 @@ class RayGeneration(BaseGeneration):
     engines_in_process: ClassVar[bool] = False
     #: The ranks each engine joins a weight-sync group with (None: one per tensor-parallel rank).
     sync_ranks_per_engine: ClassVar[int | None] = None
+    shutdown_wait_s: ClassVar[float | None] = SHUTDOWN_WAIT_S
 
     def __init__(
         self, config: Mapping[str, Any], cluster: RayVirtualCluster | None = None, backend: Any = None
@@ -174,22 +170,14 @@ class RayGeneration(BaseGeneration):
             )
             self.engine_info = self.group.call_all(EngineWorker.ready)
             self._dispatcher = SampleDispatcher(
-                self.group, [info["capacity"] for info in self.engine_info], self._streams.deliver
+                self.group,
+                [info["capacity"] for info in self.engine_info],
+                self._streams.deliver,
+                self._worker_failed,
             )
-            #: Each engine rank's refit channel (none where the engines have none, or they do
-            #: not connect), and the kept layouts each engine loaded over them (sent by name
-            #: alone from then on).
-            self._channels = self._open_channels()
-            self._held: list[dict[str, None]] = [{} for _ in range(self.dp_size)]
+            self.updates  # noqa: B018 - its link opens the engines' refit channels now
+            self.group.call_timeout_s = self.plan.spec.engine["call_timeout_s"]
             on_failure.pop_all()
-        #: Where ``refit`` packs over CUDA IPC, when every worker reports its GPUs; and its
-        #: refits in place, where the backend has them.
-        self._staging = (
-            RefitStaging()
-            if self.local_transport == "cuda_ipc" and all(info["devices"] for info in self.engine_info)
-            else None
-        )
-        self._in_place = InPlaceSources() if self._staging is not None and self.refits_in_place else None
         logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, self.engine_info[0])
 
     def make_plan(self, use_gpus: bool) -> EnginePlan:
@@ -243,200 +231,27 @@ class RayGeneration(BaseGeneration):
         self._dispatcher.abort(keys)
 
     def _apply_bucket(self, bucket: WeightBucket) -> None:
-        self._send_bucket(bucket, reset_prefix=False)
+        self.updates.link.apply_bucket(bucket, reset_prefix=False)
 
-    def _apply_last_bucket(self, bucket: WeightBucket) -> None:
-        self._send_bucket(bucket, reset_prefix=True)
-
-    def _send_bucket(self, bucket: WeightBucket, reset_prefix: bool) -> None:
-        if self._channels:
-            self._send_over_channels(bucket, self._channels)
-            if reset_prefix:
-                self._reset_prefix_cache()
-            return
-        # one pickle per leader: shared-memory handles are made per receiver, and a kept layout's
-        # bucket carries the leader's own exports; the prefix reset in the same call
-        args = [
-            (bucket.layout, self._pickled(bucket, i), bucket.transport, reset_prefix)
-            for i in range(self.dp_size)
-        ]
-        refs = self.group.submit(EngineWorker.apply_bucket, args)
-        try:
-            self.group.get(refs)
-        finally:
-            if bucket.layout:  # after a failure, the next refit writes what others may still read
-                ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
-
-    def _send_over_channels(self, bucket: WeightBucket, channels: list[list[Channel]]) -> None:
-        """Every engine rank loads ``bucket`` over its refit channel: a kept layout its engine
-        holds by name alone, else with its pickle (one per rank: shared-memory handles open once
-        per receiver), which a rank that no longer holds the layout gets next. Every rank
-        answers before an error is raised (no rank still reads what the next refit writes), an
-        engine's death first; a failure that leaves answers unread closes the channels (later
-        refits go through the actors)."""
-        layout, errors = bucket.layout, []
-        ranks = [(i, rank) for i, engine in enumerate(channels) for rank in engine]
-
-        def exchange(
-            requests: list[tuple[int, Channel, tuple[str, bytes | None]]],
-        ) -> list[tuple[int, Channel]]:
-            sent, missed = [], []
-            try:
-                try:
-                    for i, rank, request in requests:
-                        rank.send(request)
-                        sent.append((i, rank))
-                except RollgenError as exc:  # a closed channel: the ranks sent to still answer
-                    errors.append(exc)
-                for i, rank in sent:
-                    try:
-                        if not rank.result():
-                            missed.append((i, rank))
-                    except RollgenError as exc:
-                        errors.append(exc)
-            except BaseException:  # answers left unread: these channels are out of step
-                channel.close(channels)
-                self._channels = []
-                raise
-            return missed
-
-        requests = [
-            (i, rank, (layout, None if layout in self._held[i] else self._pickled(bucket, i)))
-            for i, rank in ranks
-        ]
-        missed = exchange(requests)
-        if missed:  # ranks keep the last KEPT_UNPACKED layouts
-            exchange([(i, rank, (layout, self._pickled(bucket, i))) for i, rank in missed])
-        if errors:
-            raise next((e for e in errors if isinstance(e, WorkerError) and e.died), errors[0])
-        for held in self._held:
-            _hold(held, layout)
-
-    def _open_channels(self) -> list[list[Channel]]:
-        """A refit channel to every engine rank (``rollgen.refit.channel``), where every
-        engine has them and they connect; else none (buckets go through the actors)."""
-        authkey = os.urandom(32)
-        try:
-            addresses = self.group.call_all(EngineWorker.open_channels, authkey)
-        except WorkerError as exc:
-            if exc.died:
-                raise
-            logger.warning(
-                "%s: refits go through the engines' actors: an engine opened no channel: %s", self.name, exc
-            )
-            return []
-        return channel.connect(addresses, authkey, self.group.names) if all(addresses) else []
-
-    def _pickled(self, bucket: WeightBucket, worker: int) -> bytes:
-        if bucket.layout and self._in_place is not None and self._in_place.holds(bucket):
-            return self._in_place.pickled(worker)
-        if bucket.layout and self._staging is not None:
-            return self._staging.pickled(bucket, self.engine_info[worker]["devices"], worker)
-        return pickle.dumps(bucket)
-
-    # ---- staging buffers (refit over CUDA IPC) ----------------------------------------------------
-    def _packing(self, groups: list[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None) -> Packing:
-        """Over CUDA IPC, where every worker reports its GPUs: in place, as one bucket, where
-        the source is the tensors of the last refit (``rollgen.refit.in_place``); else into the
-        staging buffers, made (or replaced by larger ones) for the largest bucket first."""
-        staging, in_place = self._staging, self._in_place
-        if staging is None:
-            return super()._packing(groups, dtype)
-        named = [pair for group in groups for pair in group]
-        if in_place is not None and in_place.applies(named, dtype, self.engine_devices):
-            pack = in_place.pack
-            return Packing(
-                [named], lambda group, check: pack(group, self.dp_size, check), True, self._release_staging
-            )
-
-        def prepare() -> None:
-            self._release_in_place()
-            need = max(flat_sizes(groups, dtype), default=0)
-            devices = sorted(set(self.engine_devices))
-            if not staging.fits(devices, need):
-                self._release_staging()
-                staging.allocate(devices, need)
-            if in_place is not None:
-                in_place.note(named)
-
-        return Packing(
-            groups, lambda group, check: staging.pack(group, dtype, check), len(groups) == 1, prepare
-        )
-
-    @serialised
-    def release_refit_buffers(self) -> None:
-        self._check_idle("release the refit buffers")  # the engines' decoding threads own them
-        self._release_refit_buffers()
-
-    def _release_refit_buffers(self) -> None:
-        """Have the engines let go of the staging buffers and of the tensors read in place."""
-        try:
-            self._release_staging()
-        finally:
-            self._release_in_place()
-
-    def _release_staging(self) -> None:
-        """Have every engine let go of the staging buffers, then drop them."""
-        if self._staging is not None:
-            self._release_mapped(self._staging.keys, self._staging.release)
-
-    def _release_in_place(self) -> None:
-        """Have every engine let go of the trainer's tensors it reads in place, then forget them."""
-        if self._in_place is not None and self._in_place.keys:
-            try:
-                self._release_mapped(self._in_place.keys, self._in_place.release)
-            finally:
-                torch.cuda.ipc_collect()  # what the trainer dropped meanwhile is freed now
-
-    def _release_mapped(self, keys: list[str], release: Callable[[], None]) -> None:
-        """Have every engine unmap ``keys``, then ``release`` them here (nothing runs on the
-        engines: a refit's own, or shutdown's)."""
-        if not keys:
-            return
-        for held in self._held:  # the engines let go of what they unpacked too
-            held.clear()
-        try:
-            refs = self.group.submit(EngineWorker.release_staged, [(keys,)] * self.dp_size)
-            self.group.get(refs, timeout_s=STAGED_WAIT_S)
-        finally:
-            release()
+    def _refit_link(self) -> RayLink:
+        return RayLink(self)
 
     @property
     def engine_devices(self) -> tuple[str, ...]:
         return tuple(uuid for info in self.engine_info for uuid in info["devices"])
 
     @property
-    def _ranks_per_engine(self) -> int:
+    def ranks_per_engine(self) -> int:
+        """The ranks each engine joins a weight-sync group with."""
         return self.sync_ranks_per_engine or self.plan.spec.tensor_parallel_size
 
     @property
     def weight_sync_ranks(self) -> int:
-        return self.dp_size * self._ranks_per_engine
+        return self.dp_size * self.ranks_per_engine
 
     @property
     def sync_device(self) -> torch.device:
         return torch.device("cuda" if self.use_gpus else "cpu")
-
-    def _join_weight_sync(self, spec: SyncGroupSpec) -> Callable[[], None]:
-        ranks = self._ranks_per_engine
-        refs = self.group.submit(
-            EngineWorker.join_weight_sync, [(spec, 1 + i * ranks) for i in range(self.dp_size)]
-        )
-
-        def joined() -> None:
-            self.group.get(refs)
-
-        return joined
-
-    def _receive_weights(self, spec: WeightSpec) -> Callable[[], bool]:
-        refs = self.group.submit(EngineWorker.receive_weights, [(spec,)] * self.dp_size)
-        return lambda: self.group.get(refs)[0]
-
-    def _reset_prefix_cache(self) -> None:
-        self.group.call_all(EngineWorker.reset_prefix_cache)
-
-    def _clear_kv_cache(self) -> None:
-        self.group.call_all(EngineWorker.clear_kv_cache)
 
     def _sleep(self) -> None:
         self.group.call_all(EngineWorker.sleep)
@@ -446,31 +261,23 @@ class RayGeneration(BaseGeneration):
 
     def _shutdown(self) -> None:
         try:
-            self._release_refit_buffers()
+            if "updates" in self.__dict__:
+                self.updates.link.release()
         except WorkerError as exc:  # a dead or hung worker: what it mapped goes with its process
             logger.warning("%s: the engines could not release the refit buffers: %s", self.name, exc)
         finally:
             self._release()
 
     def _release(self) -> None:
-        channel.close(getattr(self, "_channels", None) or [])
+        if "updates" in self.__dict__:
+            self.updates.link.close()
         dispatcher = getattr(self, "_dispatcher", None)
         if dispatcher is not None:
             dispatcher.close()
         group = getattr(self, "group", None)
         if group is not None:
-            group.shutdown(EngineWorker.shutdown)
+            group.shutdown(EngineWorker.shutdown, self.shutdown_wait_s or SHUTDOWN_WAIT_S)
             here = ray.get_runtime_context().get_node_id()
             wait_for_exit([i["pid"] for i in getattr(self, "engine_info", []) if i["node"] == here])
         if self._own_cluster and getattr(self, "cluster", None) is not None:
             self.cluster.shutdown()
-
-
-def _hold(held: dict[str, None], layout: str) -> None:
-    """Note that an engine holds ``layout`` (none for a bucket of its own), as many as its ranks
-    keep (``refit.KEPT_UNPACKED``: the least recently used goes)."""
-    if layout:
-        held.pop(layout, None)
-        held[layout] = None
-        if len(held) > KEPT_UNPACKED:
-            del held[next(iter(held))]

@@ -5,14 +5,13 @@ engine hooks (vLLM's and SGLang's workers subclass it)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import pickle
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -22,7 +21,6 @@ import torch
 
 from rollgen.data import BatchedDataDict, unpad
 from rollgen.distributed.worker_groups import TiedGroup
-from rollgen.errors import RollgenError
 from rollgen.output import assemble_from_lists
 from rollgen.refit import WeightBucket, WeightSpec, release_staged
 from rollgen.refit.weight_sync import SyncGroupSpec
@@ -371,34 +369,6 @@ class EngineWorker(ABC):
 
 def _tuples(sample: tuple[list[int], list[float]]) -> tuple[tuple[int, ...], tuple[float, ...]]:
     return tuple(sample[0]), tuple(sample[1])
-
-
-#: The key of the value a ``returns_errors`` method returns in place of raising.
-RAISED = "rollgen_raised"
-
-
-def returns_errors(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Make ``method`` (run in an engine's worker process) return its ``RollgenError``,
-    pickled, as ``{RAISED: bytes}`` (engines wrap what their workers raise in an untyped
-    exception, and vLLM's engine core serialises results with msgspec, which takes dicts of
-    bytes); ``reraise`` on the caller's side raises it as itself."""
-
-    @functools.wraps(method)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(*args, **kwargs)
-        except RollgenError as exc:
-            return {RAISED: pickle.dumps(exc)}
-
-    return call
-
-
-def reraise(results: list[Any]) -> list[Any]:
-    """``results`` of one call on every rank, raising the first rank's returned error."""
-    for result in results:
-        if isinstance(result, dict) and RAISED in result:
-            raise pickle.loads(result[RAISED])
-    return results
 
 
 def descendants(pid: int) -> dict[int, str]:

@@ -83,6 +83,9 @@ class RayWorkerGroup:
         self.groups = tied_groups(cluster.bundles_per_node, tp_size)
         self.names = [f"{name_prefix}-dp{i}" for i in range(len(self.groups))]
         self.workers: list[Any] = []
+        #: Seconds ``get`` waits for an answer before it kills the workers that have not given
+        #: one (None: for ever; the engine's ``call_timeout_s`` once it has started).
+        self.call_timeout_s: float | None = None
         pgs = cluster.get_placement_groups()
         resources = leader_resources or {"num_cpus": cluster.cpus_per_bundle / 2}
         started = False
@@ -137,22 +140,41 @@ class RayWorkerGroup:
         """The results of ``refs`` in order, naming the failing worker: a dead actor or a remote
         crash becomes a WorkerError with the remote traceback; rollgen's own typed errors pass
         through. The first failure is raised as soon as it arrives, without waiting for the
-        other workers."""
+        other workers. ``timeout_s``: a WorkerError for the first worker that has not answered
+        by then; None: ``call_timeout_s``, past which the workers that have not answered are
+        killed as wedged (``WorkerError(died=True)``)."""
         names = names or self.names
         pending = dict(zip(refs, names))
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        wait_s = self.call_timeout_s if timeout_s is None else timeout_s
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         try:
             while pending:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+                if not done and timeout_s is None:
+                    self._kill(set(pending.values()), wait_s)
                 if not done:
-                    raise WorkerError(pending[next(iter(pending))], f"did not answer within {timeout_s} s")
+                    raise WorkerError(pending[next(iter(pending))], f"did not answer within {wait_s} s")
                 for ref in done:
                     self._result(ref, pending.pop(ref))
         finally:
             for ref in pending:  # after a failure: their results, errors included, are taken when they come
                 ref.future().add_done_callback(lambda f: f.exception())
         return [self._result(ref, name) for ref, name in zip(refs, names)]
+
+    def _kill(self, names: set[str], wait_s: float | None) -> None:
+        """Kill the workers ``names``, which did not answer within ``wait_s``, and raise their
+        death (``WorkerError(died=True)``)."""
+        wedged = [w for n, w in zip(self.names, self.workers) if n in names]
+        logger.error("workers %s did not answer within %s s; killing them as wedged", sorted(names), wait_s)
+        for w in wedged:
+            ray.kill(w, no_restart=True)
+        raise WorkerError(
+            ", ".join(sorted(names)),
+            f"did not answer within call_timeout_s={wait_s} s and was killed as wedged (the worker's log "
+            "may say where it hung); create a new generation object",
+            died=True,
+        )
 
     @staticmethod
     def _result(ref: Any, name: str) -> Any:

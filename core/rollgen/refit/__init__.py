@@ -14,7 +14,8 @@ Modules: ``meta`` (names, ``TensorMeta``, ``WeightSpec``, module groups, flat la
 (source, spec, reach, finiteness), ``cuda_ipc`` (exports and mappings), ``bucket`` (packing,
 sizes, merging), ``receiver`` (the rank's kept layouts), ``staging`` and ``in_place`` (the
 trainer's persistent GPU buffers, or its own tensors read in place), ``weight_sync`` (both ends of
-a group) and ``channel`` (both ends of a driver ↔ rank socket).
+a group) and ``channel`` (both ends of a driver ↔ rank socket); ``updates`` (``WeightUpdates``,
+one update's lifecycle) over ``link`` (what it asks of the engines).
 """
 
 from rollgen.refit.bucket import (
@@ -42,6 +43,7 @@ from rollgen.refit.checks import (
     require_finite,
 )
 from rollgen.refit.cuda_ipc import InPlaceViews, IpcHandle, device_uuid, ipc_targets
+from rollgen.refit.link import EngineLink, InProcessLink, Packing
 from rollgen.refit.meta import (
     FLAT_ALIGN,
     TRANSPORT_CAPABILITY,
@@ -58,6 +60,7 @@ from rollgen.refit.meta import (
     unflatten,
 )
 from rollgen.refit.receiver import KEPT_UNPACKED, load_into_module, release_staged, unpack_request
+from rollgen.refit.updates import WeightUpdates
 from rollgen.refit.weight_sync import SyncBackend, SyncGroup, SyncGroupSpec, WeightSender, receive
 
 __all__ = [
@@ -66,10 +69,13 @@ __all__ = [
     "GPU_BUCKET_BYTES",
     "KEPT_UNPACKED",
     "TRANSPORT_CAPABILITY",
+    "EngineLink",
     "GraphedCheck",
+    "InProcessLink",
     "InPlaceViews",
     "IpcHandle",
     "Named",
+    "Packing",
     "SyncBackend",
     "SyncGroup",
     "SyncGroupSpec",
@@ -78,6 +84,7 @@ __all__ = [
     "WeightBucket",
     "WeightSender",
     "WeightSpec",
+    "WeightUpdates",
     "bucket_groups",
     "check_against_spec",
     "check_bucket_bytes",

@@ -14,7 +14,13 @@ from typing import Any
 import torch
 
 from rollgen.errors import RefitError
-from rollgen.refit.checks import check_bucket_bytes, require_finite
+from rollgen.refit.checks import (
+    check_bucket_bytes,
+    check_dtype,
+    check_readable,
+    check_source,
+    require_finite,
+)
 from rollgen.refit.cuda_ipc import InPlaceViews, IpcHandle, gpu_entry, ipc_handles, mapped
 from rollgen.refit.meta import TensorMeta, Transport, flat_offsets, flatten, module_group, unflatten
 
@@ -22,9 +28,8 @@ from rollgen.refit.meta import TensorMeta, Transport, flat_offsets, flatten, mod
 DEFAULT_BUCKET_BYTES = 1 << 30
 
 
-#: Bounds of the bucket size for a source on a GPU (a quarter of its free memory): one 4 GiB
-#: bucket refits a 1.5B model in 21.0 ms on an H200, 1 GiB buckets in 30.1 ms (BENCHMARKS.md,
-#: 2026-11-30, 6e72348).
+#: Bounds of the bucket size for a source on a GPU (a quarter of its free memory): fewer, larger
+#: buckets refit faster (BENCHMARKS.md, the refit by bucket size).
 GPU_BUCKET_BYTES = (64 << 20, 4 << 30)
 
 
@@ -179,11 +184,15 @@ def bucket_groups(
     bucket_bytes: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The named tensors of each bucket ``iter_buckets`` packs (module groups kept whole)."""
+    """The named tensors of each bucket ``iter_buckets`` packs (module groups kept whole), once
+    the source and the arguments passed their checks."""
+    check_source(source)
     check_bucket_bytes(bucket_bytes)
+    check_dtype(dtype)
+    named = list(named_tensors(source))
+    check_readable(named)
     if bucket_bytes is None:
         bucket_bytes = default_bucket_bytes(source)
-    named = list(named_tensors(source))
     for group in grouped(named, bucket_bytes, dtype):
         yield [named[i] for i in group]
 

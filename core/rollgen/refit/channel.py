@@ -1,6 +1,6 @@
 """Refit channels: the driver hands each engine rank its refit buckets over a local socket of
-its own, past the Ray call to the engine's actor and the engine's RPC to its ranks (together
-2.7 ms a round trip on an H200 host, against 0.09 ms over a channel).
+its own, past the Ray call to the engine's actor and the engine's RPC to its ranks (about 30
+times a channel's round trip; BENCHMARKS.md has the figures).
 
 A rank opens a ``ChannelServer`` (a thread that accepts connections) and returns its address;
 the driver connects a ``Channel`` to it. Sockets are Unix sockets in the abstract namespace, so
@@ -14,7 +14,8 @@ authenticated in a thread of its own, so a client that connects and says nothing
 Requests and answers are pickles, read only from an authenticated peer. A request is answered in
 order, one at a time; what the handler raises comes back: a ``RollgenError`` as itself, anything
 else as a ``WorkerError`` with the rank's traceback. A channel that closes means the rank's
-process ended."""
+process ended; a rank that does not answer within the driver's deadline is wedged (both its
+death, ``WorkerError(died=True)``)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ import torch
 
 from rollgen import auth
 from rollgen.errors import RollgenError, WorkerError
+from rollgen.refit.bucket import WeightBucket
+from rollgen.refit.receiver import KEPT_UNPACKED
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +147,20 @@ class Channel:
         except OSError as exc:
             raise self._closed(exc) from None
 
-    def result(self) -> Any:
+    def result(self, timeout_s: float | None = None) -> Any:
         """The answer to the oldest request not yet answered: what the rank's handler returned,
-        or what it raised."""
+        or what it raised. A rank that has not answered within ``timeout_s`` (None: no limit) is
+        wedged: the channel closes (its answers would come out of step) and the rank's death is
+        raised, ``WorkerError(died=True)``."""
         try:
+            if timeout_s is not None and not self._conn.poll(timeout_s):
+                self.close()
+                raise WorkerError(
+                    self.name,
+                    f"did not answer over its refit channel within call_timeout_s={timeout_s} s (wedged); "
+                    "shut the generation down (which kills its engines) and create a new one",
+                    died=True,
+                )
             answer = pickle.loads(self._conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise self._closed(exc) from None
@@ -200,3 +213,77 @@ def close(channels: list[list[Channel]]) -> None:
     for ranks in channels:
         for channel in ranks:
             channel.close()
+
+
+class EngineChannels:
+    """The driver's channels to every rank of every engine (``channels[engine][rank]``), and the
+    kept layouts each engine loaded over them, which later refits send by name alone."""
+
+    def __init__(self, channels: list[list[Channel]]) -> None:
+        self.channels = channels
+        self._held: list[dict[str, None]] = [{} for _ in channels]
+
+    def __bool__(self) -> bool:
+        return bool(self.channels)
+
+    def send(
+        self,
+        bucket: WeightBucket,
+        pickled: Callable[[WeightBucket, int], bytes],
+        timeout_s: float | None = None,
+    ) -> None:
+        """Every engine rank loads ``bucket``: a kept layout its engine holds by name alone, else
+        with ``pickled(bucket, engine)``, which a rank that no longer holds the layout gets next.
+        Every rank answers (within ``timeout_s`` each, or it is wedged: ``Channel.result``)
+        before an error is raised (no rank still reads what the next refit writes), an engine's
+        death first; a failure that leaves answers unread closes the channels (later refits go
+        through the actors)."""
+        layout, errors = bucket.layout, []
+        ranks = [(i, rank) for i, engine in enumerate(self.channels) for rank in engine]
+
+        def exchange(
+            requests: list[tuple[int, Channel, tuple[str, bytes | None]]],
+        ) -> list[tuple[int, Channel]]:
+            sent, missed = [], []
+            try:
+                try:
+                    for i, rank, request in requests:
+                        rank.send(request)
+                        sent.append((i, rank))
+                except RollgenError as exc:  # a closed channel: the ranks sent to still answer
+                    errors.append(exc)
+                for i, rank in sent:
+                    try:
+                        if not rank.result(timeout_s):
+                            missed.append((i, rank))
+                    except RollgenError as exc:
+                        errors.append(exc)
+            except BaseException:  # answers left unread: these channels are out of step
+                self.close()
+                raise
+            return missed
+
+        requests = [
+            (i, rank, (layout, None if layout in self._held[i] else pickled(bucket, i))) for i, rank in ranks
+        ]
+        missed = exchange(requests)
+        if missed:  # ranks keep the last KEPT_UNPACKED layouts
+            exchange([(i, rank, (layout, pickled(bucket, i))) for i, rank in missed])
+        if errors:
+            raise next((e for e in errors if isinstance(e, WorkerError) and e.died), errors[0])
+        if layout:
+            for held in self._held:  # the least recently used goes, as on the ranks
+                held.pop(layout, None)
+                held[layout] = None
+                if len(held) > KEPT_UNPACKED:
+                    del held[next(iter(held))]
+
+    def forget(self) -> None:
+        """The engines let go of every kept layout (their mappings were released)."""
+        for held in self._held:
+            held.clear()
+
+    def close(self) -> None:
+        """Close every channel (each rank's thread ends); later refits go through the actors."""
+        close(self.channels)
+        self.channels = []

@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from rollgen.refit.bucket import WeightBucket
 
 
+#: The dtypes a refit may cast to (``dtype=``): the engines' weight dtypes.
+CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def check_source(source: Any) -> None:
     """RefitError unless ``source`` is a module or a mapping of names to torch tensors."""
     if isinstance(source, torch.nn.Module):
@@ -27,6 +31,26 @@ def check_source(source: Any) -> None:
     bad = [str(k) for k, v in source.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor))]
     if bad:
         raise RefitError("a state dict maps parameter names to torch tensors; these entries do not", bad)
+
+
+def check_readable(named: Named) -> None:
+    """RefitError unless every tensor of a source holds values (none is on the meta device)."""
+    empty = [name for name, tensor in named if tensor.is_meta]
+    if empty:
+        raise RefitError(
+            "these tensors are on the meta device and hold no values; materialise them first "
+            "(e.g. module.to_empty(device=...), then load their weights)",
+            empty,
+        )
+
+
+def check_dtype(dtype: Any) -> None:
+    """RefitError unless ``dtype`` (a refit's cast) is None or one of ``CAST_DTYPES``."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype in CAST_DTYPES):
+        hint = f" (pass torch.{dtype})" if isinstance(dtype, str) and hasattr(torch, dtype) else ""
+        raise RefitError(
+            f"dtype must be None (no cast) or one of {', '.join(map(str, CAST_DTYPES))}, got {dtype!r}{hint}"
+        )
 
 
 def check_bucket_bytes(bucket_bytes: Any) -> None:
@@ -123,8 +147,8 @@ def _exactly_nonfinite(group: Sequence[tuple[str, torch.Tensor]], norms: torch.T
 class GraphedCheck:
     """``nonfinite`` of tensors that stay where they are (the same storages, places and forms at
     every call: a trainer's parameters, refitted in place), its fused norms captured once as a
-    CUDA graph on their GPU and replayed: one launch instead of one per chunk of tensors (1.33
-    against 1.98 ms for 3.09 GB on an H200). The tensors must outlive it."""
+    CUDA graph on their GPU and replayed: one launch instead of one per chunk of tensors
+    (BENCHMARKS.md, the refit's kernels). The tensors must outlive it."""
 
     def __init__(self, named: Named) -> None:
         self._groups = list(_norm_groups(named).items())

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from rollgen import auth
 from rollgen.errors import RefitError, _rebuild
 from rollgen.refit.bucket import bucket_groups, named_tensors
-from rollgen.refit.checks import check_against_spec, check_bucket_bytes, check_source, nonfinite
+from rollgen.refit.checks import check_against_spec, nonfinite
 from rollgen.refit.meta import TensorMeta, WeightSpec, dtype_name, flat_offsets, flatten, unflatten
 
 logger = logging.getLogger(__name__)
@@ -426,9 +426,7 @@ class WeightSender:
         groups: list[list[tuple[str, torch.Tensor]]] = []
         buckets: tuple[Bucket, ...] = ()
         try:
-            check_source(source)
-            check_bucket_bytes(bucket_bytes)
-            groups = list(bucket_groups(source, bucket_bytes, dtype))
+            groups = list(bucket_groups(source, bucket_bytes, dtype))  # checks the arguments first
             buckets = tuple(_layout(g, dtype) for g in groups)
             error = _nonfinite_error(source, dtype) if check_finite else None
         except Exception as exc:  # noqa: BLE001 - sent to every rank in the manifest, raised below

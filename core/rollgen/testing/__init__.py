@@ -6,6 +6,7 @@ from rollgen.testing.reference import (
     agreement,
     load_reference_model,
     teacher_forced_logprobs,
+    versioned_logprob_error,
 )
 from rollgen.testing.tiny_model import TinyModelRecipe, tiny_model_dir, with_generation_config
 
@@ -16,5 +17,6 @@ __all__ = [
     "teacher_forced_logprobs",
     "tiny_config",
     "tiny_model_dir",
+    "versioned_logprob_error",
     "with_generation_config",
 ]

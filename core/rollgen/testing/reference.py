@@ -71,6 +71,30 @@ def agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict[str,
     }
 
 
+def versioned_logprob_error(
+    token_ids: list[int],
+    logprobs: list[float | None],
+    spans: list[dict[str, int]],
+    models: dict[int, Any],
+) -> float:
+    """The largest |Δlogp| between an engine's logprobs of a token sequence and teacher-forced
+    ones, each generated token scored by the model of its weight version (``spans``:
+    ``{version, start, end}`` positions in ``token_ids``, as rollgen serve's sessions and
+    choices give them; ``logprobs`` indexed like ``token_ids``)."""
+    ids = torch.tensor([token_ids])
+    whole = torch.tensor([len(token_ids)])
+    worst = 0.0
+    for version in {s["version"] for s in spans}:
+        ref = teacher_forced_logprobs(models[version], ids, torch.tensor([0]), whole)[0]
+        for span in (s for s in spans if s["version"] == version):
+            for i in range(span["start"], span["end"]):
+                engine = logprobs[i]
+                if engine is None:
+                    raise ValueError(f"position {i} is in a version span but has no logprob")
+                worst = max(worst, abs(float(ref[i]) - engine))
+    return worst
+
+
 def processed_logprobs(
     logp: torch.Tensor, top_k: int, top_p: float, margin: float = 1e-4
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,19 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
-_RECIPE_VERSION = 2
+#: A ChatML-style template (turns end with the EOS token) that offers ``tools`` in a system turn and
+#: writes an assistant's tool calls as JSON in ``<tool_call>`` tags, as Hermes and Qwen templates do.
+CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "<|endoftext|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content %}{{ m.content }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "<|endoftext|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_RECIPE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -42,7 +54,12 @@ class TinyModelRecipe:
         import torch
 
         blob = json.dumps(
-            {**asdict(self), "v": _RECIPE_VERSION, "torch": torch.__version__.split("+")[0]},
+            {
+                **asdict(self),
+                "v": _RECIPE_VERSION,
+                "chat": CHAT_TEMPLATE,
+                "torch": torch.__version__.split("+")[0],
+            },
             sort_keys=True,
         )
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -121,6 +138,7 @@ def _build(recipe: TinyModelRecipe, out: Path) -> None:
         ),
     )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD)
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
     eos_id, pad_id = tok.token_to_id(EOS), tok.token_to_id(PAD)
     assert eos_id is not None and pad_id is not None  # the trainer added both special tokens

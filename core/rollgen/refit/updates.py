@@ -1,0 +1,267 @@
+"""``WeightUpdates``: one generation's weight updates from validation to settlement — the checks
+against the served model (kept for the layout a trainer refits every step), the buckets, the
+finiteness check, streamed samples in flight per the update's mode, staleness after a failure
+part-way, a KV cache poisoned by NaN weights, the prefix-cache reset, and the roles in a
+weight-sync group. It talks down only, to an engine link (``rollgen.refit.link``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rollgen.errors import RefitError
+from rollgen.refit.bucket import WeightBucket, default_bucket_bytes, grouped, named_tensors
+from rollgen.refit.checks import (
+    check_against_spec,
+    check_bucket_bytes,
+    check_dtype,
+    check_reach,
+    check_readable,
+    check_source,
+    require_finite,
+)
+from rollgen.refit.cuda_ipc import device_uuid
+from rollgen.refit.link import EngineLink
+from rollgen.refit.meta import Named, TensorMeta, WeightSpec
+from rollgen.refit.weight_sync import SyncGroupSpec, WeightSender
+
+if TYPE_CHECKING:
+    from rollgen.rollout import Streams, UpdateMode
+
+logger = logging.getLogger(__name__)
+
+
+class WeightUpdates:
+    """The weight updates of the generation named ``name``, applied through ``link``; ``spec``
+    gives the served model's ``WeightSpec``; ``streams`` holds the samples an update may meet in
+    flight. The generation's lock is held around every method."""
+
+    def __init__(self, name: str, link: EngineLink, spec: Callable[[], WeightSpec], streams: Streams) -> None:
+        self.name, self.link = name, link
+        self._spec, self._streams = spec, streams
+        #: Why the engine may hold mixed weights (an update failed part-way), until a complete one.
+        self.stale: str | None = None
+        #: Whether the engine may hold cached prefixes: a generate ran since the last reset (a
+        #: sleep resets too). An update resets the prefix cache only then.
+        self.prefixes_cached = False
+        #: A generate returned non-finite logprobs: the KV cache may hold NaNs, which the next
+        #: complete update clears.
+        self.kv_poisoned = False
+        #: The layout of the last refit source that passed the checks, and its buckets (by index
+        #: into its tensors) for a bucket size: a trainer refits the same layout each step.
+        self._checked_layout: tuple[Any, ...] | None = None
+        self._groups: tuple[Any, list[list[int]]] = (None, [])
+        #: The bucket size of refits that give none, set by the first of them (a quarter of the
+        #: source GPU's free memory then): every later one has the same buckets.
+        self._default_bucket_bytes: int | None = None
+        #: The weight-sync group (``init_weight_sync``), and its sender when it is this process.
+        self.weight_sync: SyncGroupSpec | None = None
+        self._sender: WeightSender | None = None
+
+    def check(self, metas: Iterable[TensorMeta], partial: bool = False) -> None:
+        """RefitError (listing every problem) unless the tensors match the served model and
+        cover all of it (``partial``: whole module groups of it)."""
+        check_against_spec(metas, self._spec(), partial)
+
+    # ---- updates from this process ------------------------------------------------------------
+    def apply_buckets(self, buckets: list[WeightBucket], partial: bool, mode: UpdateMode) -> None:
+        """Check packed ``buckets`` against the served model and the engines' GPUs, then apply
+        them with the samples in flight handled per ``mode``."""
+        self.check((m for b in buckets for m in b.metas), partial)
+        for b in buckets:
+            check_reach(b, self.link.engine_devices)
+        with self._in_flight(mode):
+            self._apply(buckets, len(buckets), partial, f"update_weights of {len(buckets)} bucket(s)")
+
+    def refit(
+        self,
+        source: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        bucket_bytes: int | None,
+        dtype: torch.dtype | None,
+        partial: bool,
+        check_finite: bool,
+        mode: UpdateMode,
+    ) -> None:
+        """Validate ``source`` (``BaseGeneration.refit`` says how), then pack and apply it, or
+        broadcast it when this process is the group's sender."""
+        check_source(source)
+        check_bucket_bytes(bucket_bytes)
+        check_dtype(dtype)
+        named = list(named_tensors(source))
+        check_readable(named)
+        layout = (dtype, partial, tuple((n, t.shape, t.dtype) for n, t in named))
+        if layout != self._checked_layout:  # a trainer refits the same layout every step
+            self.check((TensorMeta.of(n, t, dtype) for n, t in named), partial)
+            self._checked_layout = layout
+        sender = self._sender
+        packing = (
+            None
+            if sender is not None
+            else self.link.packing(self._bucket_groups(named, bucket_bytes, dtype), dtype)
+        )
+        # where packing checks every value before anything is sent (and no sample in flight
+        # would be touched first), it checks the packed bytes: one pass fewer over the source
+        packed_check = check_finite and not self._streams.in_flight and packing is not None and packing.checks
+        if check_finite and not packed_check:
+            require_finite(named)
+        # the source was checked; a cast to a narrower dtype may still overflow
+        cast_check = packed_check or (check_finite and dtype is not None)
+        with self._in_flight(mode):
+            if sender is not None:
+                self._over_sync(
+                    lambda: sender.send(
+                        source,
+                        bucket_bytes=bucket_bytes,
+                        dtype=dtype,
+                        partial=partial,
+                        check_finite=cast_check,
+                    )
+                )
+            elif packing is not None:
+                packing.prepare()
+                buckets = (packing.pack(group, cast_check) for group in packing.groups)
+                self._apply(buckets, len(packing.groups), partial, "refit")
+
+    def _bucket_groups(
+        self, named: Named, bucket_bytes: int | None, dtype: torch.dtype | None
+    ) -> list[Named]:
+        """The buckets a refit packs ``named`` in (kept for the layout and bucket size)."""
+        size = bucket_bytes or self._default_bucket_bytes
+        if size is None:
+            size = self._default_bucket_bytes = default_bucket_bytes(dict(named))
+        key = (self._checked_layout, size)
+        if self._groups[0] != key:
+            self._groups = (key, list(grouped(named, size, dtype)))
+        return [[named[i] for i in group] for group in self._groups[1]]
+
+    def _apply(self, buckets: Iterable[WeightBucket], count: int, partial: bool, what: str) -> None:
+        """Load ``count`` validated buckets one at a time (each loaded before the next is
+        packed), the last with the prefix-cache reset a generate since the last reset calls for.
+        A failure after the first bucket reached the engine marks the generation stale."""
+        applied = 0
+        try:
+            for bucket in buckets:
+                check_reach(bucket, self.link.engine_devices)
+                applied += 1
+                last = applied == count and self.prefixes_cached and not self.kv_poisoned
+                self.link.apply_bucket(bucket, reset_prefix=last)
+                if last:
+                    self.prefixes_cached = False
+                del bucket
+        except BaseException as exc:
+            if applied:
+                self._mark_stale(f"{what} failed at bucket {applied} ({type(exc).__name__}: {exc})")
+            raise
+        self._settle(partial)
+
+    # ---- the weight-sync group ------------------------------------------------------------------
+    def init_weight_sync(self, spec: SyncGroupSpec, local_sender: bool) -> None:
+        """Have every engine rank join ``spec``'s group (``BaseGeneration.init_weight_sync``)."""
+        if spec.port == 0 and not local_sender:
+            raise RefitError(
+                "the spec's port is 0: pass the sender's spec (rollgen.WeightSender(spec).spec), which "
+                "has the port it listens on"
+            )
+        ranks = self.link.weight_sync_ranks
+        if spec.world_size != 1 + ranks:
+            raise RefitError(
+                f"{self.name}: the group has {spec.world_size} ranks; these engines need 1 + {ranks} "
+                "(make the spec with weight_sync_spec)"
+            )
+        if local_sender and self.link.in_process:
+            raise RefitError(
+                f"{self.name} runs its engine in this process: refit() here copies the weights directly; "
+                "a weight-sync group is for a trainer in another process (local_sender=False)"
+            )
+        if spec.backend == "nccl":
+            self._check_nccl_devices(local_sender)
+        sender = None
+        if local_sender:
+            sender = WeightSender(spec)  # hosts the group's store (port 0: a free one) at once
+            spec = sender.spec
+        joined = self.link.join_weight_sync(spec)
+        if sender is not None:
+            sender.connect()
+        joined()
+        self.weight_sync, self._sender = spec, sender
+
+    def _check_nccl_devices(self, local_sender: bool) -> None:
+        """RefitError unless every rank of an NCCL group would have a GPU of its own (NCCL
+        refuses, or hangs on, two ranks of one group on one GPU)."""
+        if self.link.sync_device.type != "cuda":
+            raise RefitError(
+                f"{self.name}: an NCCL weight-sync group needs the engines on CUDA GPUs; they receive on "
+                f"{self.link.sync_device}: use backend='gloo' (weight_sync_spec picks it for you)"
+            )
+        devices = list(self.link.engine_devices)
+        if local_sender and torch.cuda.is_available():
+            devices.append(device_uuid())
+        shared = sorted({d for d in devices if devices.count(d) > 1})
+        if shared:
+            raise RefitError(
+                f"{self.name}: an NCCL weight-sync group needs a GPU per rank, but GPU(s) {shared} would "
+                "hold two (an engine rank and the sender, or two engines sharing a GPU). Colocated: "
+                "refit() over CUDA IPC, without a group; else backend='gloo' or other GPUs"
+            )
+
+    def update_from_collective(self, mode: UpdateMode) -> None:
+        """Receive the update the trainer's ``WeightSender.send`` broadcasts."""
+        if self.weight_sync is None:
+            raise RefitError(f"{self.name}: no weight-sync group; call init_weight_sync first")
+        if self._sender is not None:
+            raise RefitError(f"{self.name}: this process is the group's sender; call refit(source)")
+        with self._in_flight(mode):
+            self._over_sync(None)
+
+    def _over_sync(self, send: Callable[[], None] | None) -> None:
+        """Receive one update on every engine rank while ``send`` (if any) broadcasts it here."""
+        try:
+            received = self.link.receive_weights(self._spec())
+            if send is not None:
+                sent = False
+                try:
+                    send()
+                    sent = True
+                finally:
+                    if not sent:  # the engines end the update too, raising the sender's error or their own
+                        try:
+                            received()
+                        except Exception as engines:  # noqa: BLE001 - the sender's error is the one raised
+                            logger.debug("%s: the engines' side of the failed update: %r", self.name, engines)
+            partial = received()
+        except BaseException as exc:
+            if not (isinstance(exc, RefitError) and not exc.stale):  # anything but a clean rejection
+                self._mark_stale(f"an update over the weight-sync group failed ({type(exc).__name__}: {exc})")
+            raise
+        self._settle(partial)
+
+    # ---- settlement -----------------------------------------------------------------------------
+    def _in_flight(self, mode: UpdateMode) -> AbstractContextManager[None]:
+        """Around an update's application: streamed samples in flight handled per ``mode``."""
+        return self._streams.update(mode, fresh=lambda: self.stale is None)
+
+    def _mark_stale(self, why: str) -> None:
+        self.stale = why
+        logger.error("%s: %s; generation is stale until a complete refit", self.name, why)
+
+    def _settle(self, partial: bool) -> None:
+        """A complete update clears staleness (and a KV cache poisoned by NaN weights); any
+        update invalidates cached prefixes."""
+        if not partial:
+            self.stale = None
+        if self.kv_poisoned and not partial:
+            self.link.clear_kv_cache()
+            self.kv_poisoned = self.prefixes_cached = False
+        if self.prefixes_cached:  # a generate may have filled it since the last reset
+            self.link.reset_prefix_cache()
+            self.prefixes_cached = False
+
+    def close(self) -> None:
+        """At shutdown: forget the group; the link ends what it holds."""
+        self._sender = None
+        self.link.close()

@@ -1,0 +1,114 @@
+"""The served generation: requests → ``submit`` batches, the model's tokenizer and chat template.
+Every request is a streamed rollout, so a refit the trainer makes while serving treats requests
+in flight as its ``mode`` says (``wait``, ``abort``, ``keep``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rollgen.errors import UnsupportedCapability
+from rollgen.interface import GenerationInterface
+from rollgen.rollout import Rollout
+from rollgen.serving.errors import HttpError
+from rollgen.serving.schemas import ChatCompletionRequest, CompletionRequest
+from rollgen.spec import Capability
+
+logger = logging.getLogger(__name__)
+
+
+class ServedGeneration:
+    """A generation as the server uses it. Raises UnsupportedCapability unless the backend
+    declares ``async`` (the server streams every request)."""
+
+    def __init__(self, gen: GenerationInterface, model_id: str, submit_timeout_s: float) -> None:
+        if Capability.ASYNC not in gen.capabilities:
+            raise UnsupportedCapability(gen.name, Capability.ASYNC.value, "serving (rollgen serve)")
+        self.gen = gen
+        self.model_id = model_id
+        self.submit_timeout_s = submit_timeout_s
+        tokenizer = getattr(gen, "tokenizer", None)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(gen.cfg["model_name"])
+        self.tokenizer = tokenizer
+
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    @property
+    def logprobs_mode(self) -> str:
+        return str(self.gen.cfg.get("logprobs_mode", "raw"))
+
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool, tools: Any = None) -> str:
+        """The chat template's text for ``messages`` (``tools`` handed to the template)."""
+        from rollgen.errors import InputError
+
+        if self.chat_template is None:
+            raise InputError(f"model {self.model_id!r} has no chat template; use /v1/completions")
+        text = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+        )
+        return str(text)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+    def batch(self, prompt: Sequence[int], req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+        """``n`` copies of ``prompt`` with the request's sampling settings as per-sample keys
+        (only those it sets: the rest are the config's). ``seed`` s gives choice i seed s + i."""
+        n = req.n
+        batch: dict[str, Any] = {
+            "input_ids": torch.tensor([list(prompt)] * n, dtype=torch.long).reshape(n, len(prompt)),
+            "input_lengths": torch.full((n,), len(prompt), dtype=torch.long),
+        }
+        budget = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        for key, value in (
+            ("temperature", req.temperature),
+            ("top_p", req.top_p),
+            ("top_k", req.top_k),
+            ("max_new_tokens", budget),
+        ):
+            if value is not None:
+                batch[key] = torch.full((n,), value)
+        if req.seed is not None:
+            batch["seed"] = torch.arange(req.seed, req.seed + n, dtype=torch.long)
+        if req.stop_strings():
+            batch["stop_strings"] = [req.stop_strings()] * n
+        return batch
+
+    async def submit(self, batch: dict[str, Any]) -> Rollout:
+        """``gen.submit(batch)`` off the event loop. It waits while the trainer holds the
+        generation (a refit, a wake) up to ``submit_timeout_s``, then a 503 (a rollout
+        that starts after that is cancelled at once) with ``Retry-After``."""
+        loop = asyncio.get_running_loop()
+        started = loop.run_in_executor(None, self.gen.submit, batch)
+        try:
+            return await asyncio.wait_for(asyncio.shield(started), self.submit_timeout_s)
+        except asyncio.TimeoutError:
+            started.add_done_callback(_cancel_late)
+            raise HttpError(
+                503,
+                f"the generation was busy (the trainer's refit or wake) for {self.submit_timeout_s:g} s "
+                "(submit_timeout_s)",
+                "generation_busy",
+                retry=True,
+            ) from None
+
+
+def _cancel_late(started: asyncio.Future[Rollout]) -> None:
+    if not started.cancelled() and started.exception() is None:
+        started.result().cancel()

@@ -1,0 +1,1 @@
+"""The ``remote`` backend: a client of a ``rollgen serve`` endpoint, over HTTP."""

@@ -1,0 +1,394 @@
+"""``rollgen.serve`` over the hf backend on the tiny model, driven by the official openai SDK:
+the OpenAI surface, the token-in/token-out fields, sessions, auth and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+import rollgen
+from rollgen.errors import ConfigError, UnsupportedCapability
+from rollgen.serving import HermesToolParser, Limits
+from rollgen.testing import tiny_config
+
+KEY = "test-key-" + "0" * 24
+PROMPT = "count: 3 4 5"
+
+
+@pytest.fixture(scope="module")
+def gen() -> Iterator[Any]:
+    with rollgen.create_generation(tiny_config("hf", max_new_tokens=8, seed=0)) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def server(gen: Any) -> Iterator[Any]:
+    with rollgen.serve(gen, api_key=KEY, limits=Limits(max_body_bytes=64 * 1024)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0)
+
+
+def ext(choice: Any) -> dict[str, Any]:
+    """A choice's rollgen extension field."""
+    return dict(choice.model_extra["rollgen"])
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, server: Any, gen: Any) -> None:
+    (model,) = client.models.list().data
+    assert model.id == server.model_id
+    assert model.model_extra["max_model_len"] == gen.max_model_len
+    assert model.model_extra["backend"] == "hf" and "async" in model.model_extra["capabilities"]
+
+
+def test_completion_is_the_engines_generation(client: openai.OpenAI, server: Any, gen: Any) -> None:
+    """Greedy text and token ids over the wire equal the in-process greedy generate."""
+    ids = gen.tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
+    done = client.completions.create(model=server.model_id, prompt=PROMPT, temperature=0, logprobs=0)
+    (choice,) = done.choices
+    fields = ext(choice)
+    batch = {"input_ids": torch.tensor([ids]), "input_lengths": torch.tensor([len(ids)])}
+    out = gen.generate(batch, greedy=True)
+    n = int(out["generation_lengths"][0])
+    assert fields["prompt_token_ids"] == ids
+    assert fields["token_ids"] == out["output_ids"][0, len(ids) : len(ids) + n].tolist()
+    assert fields["logprobs"] == pytest.approx(out["logprobs"][0, len(ids) : len(ids) + n].tolist(), abs=1e-5)
+    assert fields["logprobs_mode"] == "raw"
+    assert fields["versions"] == [{"version": gen.weight_version, "start": 0, "end": n}]
+    assert choice.text == gen.tokenizer.decode(fields["token_ids"], skip_special_tokens=True)
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs == fields["logprobs"]
+    assert choice.finish_reason == {"eos": "stop", "length": "length"}[fields["stop_reason"]]
+    assert done.usage is not None and done.usage.prompt_tokens == len(ids)
+    by_ids = client.completions.create(model=server.model_id, prompt=ids, temperature=0)
+    assert ext(by_ids.choices[0])["token_ids"] == fields["token_ids"]
+
+
+def test_seeded_choices_repeat_and_budget_holds(client: openai.OpenAI, server: Any) -> None:
+    def ask() -> list[list[int]]:
+        done = client.chat.completions.create(
+            model=server.model_id,
+            messages=[{"role": "user", "content": PROMPT}],
+            n=3,
+            seed=11,
+            temperature=1.0,
+            max_completion_tokens=5,
+            extra_body={"top_k": 20},
+        )
+        assert [c.index for c in done.choices] == [0, 1, 2]
+        return [ext(c)["token_ids"] for c in done.choices]
+
+    first = ask()
+    assert first == ask()
+    assert all(1 <= len(t) <= 5 for t in first)
+
+
+def test_streamed_chat_matches_the_unstreamed(client: openai.OpenAI, server: Any) -> None:
+    messages: Any = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model=server.model_id, messages=messages, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model_id,
+            messages=messages,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == whole.choices[0].message.content
+    finished = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finished] == [whole.choices[0].finish_reason]
+    assert ext(finished[0].choices[0])["token_ids"] == ext(whole.choices[0])["token_ids"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == whole.usage.total_tokens  # type: ignore[union-attr]
+
+
+def test_async_client_runs_requests_at_once(server: Any) -> None:
+    async def run() -> list[Any]:
+        aclient = openai.AsyncOpenAI(base_url=server.url, api_key=KEY, max_retries=0)
+        asks = [
+            aclient.completions.create(model=server.model_id, prompt=f"count: {i} {i + 1}", temperature=0)
+            for i in range(4)
+        ]
+        return list(await asyncio.gather(*asks))
+
+    done = asyncio.run(run())
+    assert all(ext(d.choices[0])["prompt_token_ids"] for d in done)
+    assert len({tuple(ext(d.choices[0])["prompt_token_ids"]) for d in done}) == 4
+
+
+def test_session_keeps_the_engines_tokens(client: openai.OpenAI, server: Any, gen: Any) -> None:
+    """Two turns sampled hot (random tokens, which BPE would merge otherwise): each prompt is
+    the session's tokens so far plus only the new message; the session's tokens differ from a
+    retokenization of its text, and read back exactly."""
+    tok = gen.tokenizer
+    messages: list[Any] = [{"role": "user", "content": "abc: a b c"}]
+    sid = "session-drift"
+    seen: list[int] = []
+    turns = []
+    for i, follow in enumerate(["count: 7 8", "abc: k l"]):
+        done = client.chat.completions.create(
+            model=server.model_id,
+            messages=messages,
+            temperature=3.0,
+            seed=5 + i,
+            max_tokens=6,
+            extra_body={"session_id": sid},
+        )
+        fields = ext(done.choices[0])
+        assert fields["prompt_token_ids"][: len(seen)] == seen, "a turn's prompt starts with the session"
+        seen = fields["prompt_token_ids"] + fields["token_ids"]
+        turns.append(fields)
+        messages += [
+            {"role": "assistant", "content": done.choices[0].message.content},
+            {"role": "user", "content": follow},
+        ]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    session = httpx.get(f"{server.url}/sessions/{sid}", headers=auth).json()
+    assert session["token_ids"] == seen
+    generated = [i for i, m in enumerate(session["loss_mask"]) if m]
+    assert [session["token_ids"][i] for i in generated] == turns[0]["token_ids"] + turns[1]["token_ids"]
+    assert [session["logprobs"][i] for i in generated] == turns[0]["logprobs"] + turns[1]["logprobs"]
+    assert all(session["logprobs"][i] is None for i, m in enumerate(session["loss_mask"]) if not m)
+    assert sum(s["end"] - s["start"] for s in session["versions"]) == len(generated)
+    retokenized = tok(tok.decode(session["token_ids"]), add_special_tokens=False)["input_ids"]
+    assert retokenized != session["token_ids"], "pick a conversation whose text retokenizes differently"
+    gone = httpx.delete(f"{server.url}/sessions/{sid}", headers=auth)
+    assert gone.status_code == 200 and gone.json()["token_ids"] == seen
+    assert httpx.get(f"{server.url}/sessions/{sid}", headers=auth).status_code == 404
+
+
+def test_session_refuses_a_changed_history(client: openai.OpenAI, server: Any) -> None:
+    first: list[Any] = [{"role": "user", "content": "count: 1 2"}]
+    done = client.chat.completions.create(
+        model=server.model_id, messages=first, max_tokens=3, extra_body={"session_id": "branch"}
+    )
+    changed = [
+        {"role": "user", "content": "count: 9"},
+        done.choices[0].message.model_dump(exclude_none=True),
+        {"role": "user", "content": "abc: a"},
+    ]
+    with pytest.raises(openai.BadRequestError, match="not the one the session holds"):
+        client.chat.completions.create(
+            model=server.model_id, messages=changed, max_tokens=3, extra_body={"session_id": "branch"}
+        )
+
+
+def test_tool_calls_are_parsed() -> None:
+    """The built-in parser on the text a Hermes/Qwen-style model writes (the tiny model writes
+    no tool calls of its own)."""
+    text = 'Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    rest, calls = HermesToolParser().parse(text)
+    assert rest == "Let me add."
+    assert [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1, "b": 2}')]
+    broken = "<tool_call>{not json}</tool_call>"
+    assert HermesToolParser().parse(broken) == (broken, [])
+
+
+def test_chat_with_tools_renders_them(client: openai.OpenAI, server: Any) -> None:
+    tools: Any = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    plain = client.chat.completions.create(
+        model=server.model_id, messages=[{"role": "user", "content": PROMPT}], max_tokens=2
+    )
+    offered = client.chat.completions.create(
+        model=server.model_id, messages=[{"role": "user", "content": PROMPT}], max_tokens=2, tools=tools
+    )
+    extra = len(ext(offered.choices[0])["prompt_token_ids"]) - len(ext(plain.choices[0])["prompt_token_ids"])
+    assert extra > 10, "the template's tool block is in the prompt"
+
+
+def test_auth_is_required(server: Any) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url, api_key="wrong-" + "x" * 20, max_retries=0).models.list()
+    bare = httpx.get(f"{server.url}/models")
+    assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_errors_are_openai_json(client: openai.OpenAI, server: Any, gen: Any) -> None:
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(
+            model=server.model_id, messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3
+        )
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="another-model", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model=server.model_id, prompt=[5] * gen.max_model_len)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=server.model_id, prompt="x", temperature=-1)
+    big = httpx.post(
+        f"{server.url}/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": server.model_id, "prompt": "x" * 70_000},
+    )
+    assert big.status_code == 413 and "max_body_bytes" in big.json()["error"]["message"]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    nowhere = httpx.get(f"{server.url}/no-such-route", headers=auth)
+    assert nowhere.status_code == 404 and "error" in nowhere.json()
+    garbled = httpx.post(f"{server.url}/completions", headers=auth, content=b"{not json")
+    assert garbled.status_code == 400 and garbled.json()["error"]["type"] == "invalid_request_error"
+    no_model = httpx.post(f"{server.url}/completions", headers=auth, json={"prompt": "x"})
+    assert no_model.status_code == 400 and "model" in no_model.json()["error"]["message"]
+
+
+def test_a_backend_without_async_is_refused() -> None:
+    with rollgen.create_generation(tiny_config("example", max_new_tokens=2)) as example:
+        with pytest.raises(UnsupportedCapability, match="'async'"):
+            rollgen.serve(example, api_key=KEY).__enter__()
+
+
+def test_auth_off_only_on_loopback(gen: Any) -> None:
+    with pytest.raises(ConfigError, match="loopback"):
+        rollgen.serving.Server(gen, host="0.0.0.0", require_api_key=False)
+    with rollgen.serve(gen, require_api_key=False) as open_server:
+        assert httpx.get(f"{open_server.url}/models").status_code == 200
+    generated = rollgen.serving.Server(gen)
+    assert generated.api_key and len(generated.api_key) >= 32
+
+
+def test_sleep_shutdown_and_limits_answer_503_and_429(client: openai.OpenAI, server: Any, gen: Any) -> None:
+    ask = {"model": server.model_id, "prompt": PROMPT, "max_tokens": 2}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    gen.finish_generation()
+    try:
+        asleep = httpx.post(f"{server.url}/completions", headers=auth, json=ask)
+    finally:
+        gen.prepare_for_generation()
+    assert asleep.status_code == 503 and asleep.headers["retry-after"] == "1", asleep.text
+    assert "prepare_for_generation" in asleep.json()["error"]["message"]
+    server.state.closing = True  # as while the server stops
+    try:
+        closing = httpx.post(f"{server.url}/completions", headers=auth, json=ask)
+    finally:
+        server.state.closing = False
+    assert closing.status_code == 503 and closing.json()["error"]["code"] == "server_shutting_down"
+    with rollgen.serve(gen, api_key=KEY, limits=Limits(max_concurrent_requests=0)) as full:
+        crowded = httpx.post(f"{full.url}/completions", headers=auth, json=ask)
+    assert crowded.status_code == 429 and "max_concurrent_requests" in crowded.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.completions.create(**ask, n=2, extra_body={"session_id": "two"})
+
+
+def test_the_remote_backend_refuses_a_server_that_serves_another_config(server: Any) -> None:
+    processed = tiny_config("hf", max_new_tokens=2, logprobs_mode="processed")
+    with rollgen.create_generation(processed) as other, rollgen.serve(other, api_key=KEY) as elsewhere:
+        config = tiny_config("remote", remote_cfg={"url": elsewhere.url, "api_key": KEY})
+        with pytest.raises(ConfigError, match="returns processed logprobs"):
+            rollgen.create_generation(config)
+    wrong_key = tiny_config("remote", remote_cfg={"url": server.url, "api_key": "x" * 20})
+    with pytest.raises(rollgen.WorkerError, match="401"):
+        rollgen.create_generation(wrong_key)
+
+
+def test_a_client_that_leaves_has_its_work_cancelled() -> None:
+    """``unless_disconnected`` with a stand-in request whose client has gone (a real client's
+    disconnect lands at a moment no test can fix): the work is cancelled, None returned."""
+    from rollgen.serving.app import unless_disconnected
+
+    class Gone:
+        async def receive(self) -> dict[str, str]:
+            return {"type": "http.disconnect"}
+
+    async def run() -> tuple[Any, bool]:
+        never = asyncio.Event()
+        work = asyncio.ensure_future(never.wait())
+        answer = await unless_disconnected(Gone(), work)  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # let the cancellation land
+        return answer, work.cancelled()
+
+    assert asyncio.run(run()) == (None, True)
+
+
+class EchoParser:
+    """A plugin's parser for the test: every reply is one call of ``echo`` with its text."""
+
+    def parse(self, text: str) -> tuple[str, list[Any]]:
+        from rollgen.serving import ToolCall
+
+        return "", [ToolCall("echo", json.dumps({"text": text}))]
+
+
+class EchoPlugin:
+    @rollgen.hookimpl
+    def rollgen_register_tool_parsers(self, register: Any) -> None:
+        register("echo", EchoParser)
+
+
+def test_a_plugins_tool_parser_turns_replies_into_tool_calls(gen: Any) -> None:
+    """A parser a plugin registers, chosen by name: the SDK reads the calls, a stop becomes
+    ``tool_calls``, and the tool's answer continues the session."""
+    from rollgen.registry import get_registry
+
+    plugin = EchoPlugin()
+    get_registry().pm.register(plugin, name="echo-parser")
+    try:
+        assert "echo" in rollgen.serving.tool_parsers()
+        with rollgen.serve(gen, api_key=KEY, tool_parser="echo") as server:
+            client = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0)
+            tools: Any = [{"type": "function", "function": {"name": "echo"}}]
+            messages: list[Any] = [{"role": "user", "content": PROMPT}]
+            done = client.chat.completions.create(
+                model=server.model_id,
+                messages=messages,
+                tools=tools,
+                temperature=0,
+                max_tokens=4,
+                extra_body={"session_id": "tools"},
+            )
+            (choice,) = done.choices
+            (call,) = choice.message.tool_calls or []
+            assert call.function.name == "echo" and "text" in json.loads(call.function.arguments)  # type: ignore[union-attr]
+            stopped = ext(choice)["stop_reason"] in ("eos", "stop_token", "stop_string")
+            assert choice.finish_reason == ("tool_calls" if stopped else "length")
+            messages += [
+                choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "echoed"},
+            ]
+            after = client.chat.completions.create(
+                model=server.model_id,
+                messages=messages,
+                tools=tools,
+                temperature=0,
+                max_tokens=4,
+                extra_body={"session_id": "tools"},
+            )
+            seen = ext(choice)["prompt_token_ids"] + ext(choice)["token_ids"]
+            assert ext(after.choices[0])["prompt_token_ids"][: len(seen)] == seen
+    finally:
+        get_registry().pm.unregister(plugin)
+
+
+def test_stop_strings_end_the_text_before_them(client: openai.OpenAI, server: Any) -> None:
+    plain = client.completions.create(model=server.model_id, prompt=PROMPT, temperature=0, max_tokens=8)
+    text = plain.choices[0].text
+    assert text.strip(), "the greedy continuation has text to stop in"
+    stop = text.strip()[-1]
+    cut = client.completions.create(
+        model=server.model_id, prompt=PROMPT, temperature=0, max_tokens=8, stop=[stop]
+    )
+    (choice,) = cut.choices
+    assert choice.text == text[: text.index(stop)]
+    assert ext(choice)["stop_reason"] == "stop_string" and choice.finish_reason == "stop"
+    assert stop in server.state.served.decode(ext(choice)["token_ids"]), "the token ids keep the stop string"
+
+
+def test_a_request_waits_for_the_trainer_then_gets_503(gen: Any) -> None:
+    """While the trainer holds the generation (here its lock, held as a long refit holds it), a
+    request waits ``submit_timeout_s``, then gets 503 with ``Retry-After``; the server serves on."""
+    ask = {"model": None, "prompt": PROMPT, "max_tokens": 2}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with rollgen.serve(gen, api_key=KEY, limits=Limits(submit_timeout_s=0.5)) as patient:
+        ask["model"] = patient.model_id
+        with gen._lock:
+            busy = httpx.post(f"{patient.url}/completions", headers=auth, json=ask, timeout=60)
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
+        assert "busy" in busy.json()["error"]["message"]
+        assert httpx.post(f"{patient.url}/completions", headers=auth, json=ask, timeout=60).status_code == 200
