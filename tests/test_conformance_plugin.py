@@ -105,7 +105,7 @@ def test_undeclared_capabilities_are_asserted_then_skipped(suite: pytest.Pyteste
     assert set(outcomes) - {"deselected"} == {"skipped"} and outcomes["skipped"] >= 3, outcomes
     result.stdout.fnmatch_lines(
         [
-            "*text not declared (UnsupportedCapability asserted)*",
+            "*OutputContractTests: text not declared (UnsupportedCapability asserted)*",
             "*refit (refit_tensors or refit_ipc) not declared (UnsupportedCapability asserted)*",
         ]
     )

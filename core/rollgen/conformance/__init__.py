@@ -199,7 +199,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     report = yield
     if report.when == "call" and (report.failed or hasattr(report, "wasxfail")):
         item.stash[FAILED] = True  # the shared engine is remade after it (fixtures.engine)
+    if report.when == "setup":  # in the details of the call's report
+        item.user_properties.append(("area", area(item)))
+    if report.skipped and isinstance(report.longrepr, tuple) and not hasattr(report, "wasxfail"):
+        path, line, reason = report.longrepr
+        lead, _, why = reason.rpartition("Skipped: ")
+        report.longrepr = (path, line, f"{lead}Skipped: {area(item)}: {why}")  # -rs names the area
     return report
+
+
+def area(item: pytest.Item) -> str:
+    """The suite class that defines ``item``'s test (``StreamingTests``, ...)."""
+    function = getattr(item, "function", None)
+    return function.__qualname__.split(".")[0] if function is not None else ""
 
 
 class _JsonReport:
