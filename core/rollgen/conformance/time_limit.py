@@ -32,11 +32,11 @@ def in_flight() -> list[str]:
 
 
 def _waiting_in(frame: FrameType | None) -> str:
-    """The innermost calls of the interrupted stack (where the test waits)."""
-    frames = traceback.extract_stack(frame)[-4:]
-    return " <- ".join(
-        f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno}: {f.line})" for f in reversed(frames)
-    )
+    """The interrupted calls, innermost first, up to the test's own (or 6 of them)."""
+    frames = list(reversed(traceback.extract_stack(frame)))
+    tests = [i for i, f in enumerate(frames) if f.name.startswith("test_")]
+    shown = frames[: min(tests[0] + 1 if tests else 6, 6)]
+    return " <- ".join(f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno}: {f.line})" for f in shown)
 
 
 @contextmanager
