@@ -588,6 +588,7 @@ def test_close_fails_samples_the_engine_never_reports() -> None:
     rollout, (a,) = backend.submit([(5,)])
     (listed,) = backend.book.samples()
     assert (listed.key, listed.state, listed.ending) == (a.key, "running", None), listed
+    assert [s.key for s in rollout.in_flight()] == [a.key]
     backend.book.close(timeout_s=0.05)  # nothing will report a: close gives up on it
     assert backend.abort_calls == [[a.key]]
     assert backend.book.in_flight == 0 and backend.book.samples() == []

@@ -173,6 +173,10 @@ class Rollout:
         with self._cond:
             return len(self._results) == self.size or self._error is not None
 
+    def in_flight(self) -> list[InFlightSample]:
+        """This rollout's samples not yet reported (``BaseGeneration.samples_in_flight``)."""
+        return [s for s in self._streams.samples() if s.rollout_id == self.rollout_id]
+
     def cancel(self, indices: int | Sequence[int] | None = None) -> None:
         """End the samples ``indices`` (None: all of them) that have not finished: each is
         yielded with ``stop_reason="cancelled"`` and the tokens it has."""
