@@ -25,8 +25,10 @@ def init_ray(num_cpus: int | None = None, object_store_bytes: int = 512 << 20) -
         "log_to_driver": True,
         "logging_level": logging.WARNING,
     }
-    if not os.environ.get("RAY_ADDRESS"):
-        kwargs.update(num_cpus=num_cpus or os.cpu_count(), object_store_memory=object_store_bytes)
+    if not os.environ.get("RAY_ADDRESS"):  # a cluster of its own, even beside another one on the machine
+        kwargs.update(
+            address="local", num_cpus=num_cpus or os.cpu_count(), object_store_memory=object_store_bytes
+        )
     ray.init(**kwargs)
 
 
