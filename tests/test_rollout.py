@@ -605,7 +605,7 @@ def test_a_failing_start_fails_the_rollout_and_leaves_nothing_in_flight() -> Non
 def test_close_aborts_running_samples_and_waits_for_their_report() -> None:
     backend = StandInBackend()
     rollout, (a, b) = backend.submit([(5,), (6,)])
-    closing = InThread(backend.book.close)
+    closing = InThread(lambda: backend.book.close(timeout_s=60))
     backend.wait_aborts(1)
     assert sorted(backend.abort_calls[0]) == sorted([a.key, b.key])
     backend.finish(a, (10,), aborted=True)
@@ -625,7 +625,7 @@ def test_close_ends_held_samples_aborted_at_once() -> None:
     with backend.book.update("keep", fresh=lambda: True):
         held["late"], _ = backend.submit([(6,)])
         assert backend.book.in_flight == 2  # a (to continue) and the late one, both held
-        backend.book.close()
+        backend.book.close(timeout_s=60)
         assert backend.book.in_flight == 0
     assert len(backend.abort_calls) == 1, "close had nothing running to abort"
     assert len(backend.started) == 1, "nothing restarts after close"
@@ -636,10 +636,15 @@ def test_close_ends_held_samples_aborted_at_once() -> None:
 def test_close_fails_samples_the_engine_never_reports() -> None:
     backend = StandInBackend()
     rollout, (a,) = backend.submit([(5,)])
+    (listed,) = backend.book.samples()
+    assert (listed.key, listed.state, listed.ending) == (a.key, "running", None), listed
+    assert [s.key for s in rollout.in_flight()] == [a.key]
     backend.book.close(timeout_s=0.05)  # nothing will report a: close gives up on it
     assert backend.abort_calls == [[a.key]]
-    assert backend.book.in_flight == 0
-    with pytest.raises(RollgenError, match="shut down before it ended"):
+    assert backend.book.in_flight == 0 and backend.book.samples() == []
+    with pytest.raises(
+        RollgenError, match=f"sample 0 of rollout {rollout.rollout_id} .*without reporting it"
+    ):
         rollout.wait()
 
 

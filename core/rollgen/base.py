@@ -37,7 +37,7 @@ from rollgen.refit import (
 )
 from rollgen.refit.link import EngineLink, InProcessLink
 from rollgen.refit.updates import WeightUpdates
-from rollgen.rollout import ReplicaLoad, Rollout, SampleRequest, Streams, UpdateMode
+from rollgen.rollout import InFlightSample, ReplicaLoad, Rollout, SampleRequest, Streams, UpdateMode
 from rollgen.sampling import SampleParams, resolve_sampling, truncate_at_stop
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
 
@@ -76,6 +76,10 @@ class BaseGeneration(ABC):
     local_transport: Transport = "tensors"
     #: Whether the engine runs in this process (its end of a weight-sync group joins here).
     engines_in_process: ClassVar[bool] = True
+    #: How long ``shutdown`` waits for the engine to report the streamed samples it aborts; one
+    #: not reported by then fails its rollout, named (a setting of the object: set it before
+    #: ``shutdown``).
+    shutdown_grace_s: float = 60.0
 
     def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
         from rollgen.registry import get_registry
@@ -302,6 +306,12 @@ class BaseGeneration(ABC):
         """How many weight updates (refits) have completed on this generation object; every
         streamed token is stamped with the version that produced it."""
         return self._streams.version
+
+    def samples_in_flight(self) -> list[InFlightSample]:
+        """The streamed samples not yet reported, with how long each has run and whether it was
+        asked to end: what a call that waits for them (``Rollout.wait``, an update, ``shutdown``)
+        is waiting for."""
+        return self._streams.samples()
 
     @serialised
     def submit(
@@ -629,7 +639,7 @@ class BaseGeneration(ABC):
         self._state_changed()
         if "updates" in self.__dict__:
             self.updates.close()
-        self._streams.close()
+        self._streams.close(self.shutdown_grace_s)
         self._shutdown()
 
     def __enter__(self) -> BaseGeneration:

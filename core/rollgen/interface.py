@@ -12,7 +12,7 @@ from rollgen.data import BatchedDataDict
 from rollgen.model_info import ModelInfo
 from rollgen.refit import Transport, WeightBucket, WeightSpec
 from rollgen.refit.weight_sync import SyncBackend, SyncGroupSpec
-from rollgen.rollout import ReplicaLoad, Rollout, UpdateMode
+from rollgen.rollout import InFlightSample, ReplicaLoad, Rollout, UpdateMode
 from rollgen.spec import Capability
 
 
@@ -28,6 +28,8 @@ class GenerationInterface(Protocol):
     max_model_len: int
     #: The transport ``refit()`` packs a local source with (``iter_buckets`` elsewhere).
     local_transport: Transport
+    #: How long ``shutdown`` waits for the engine to report the streamed samples it aborts.
+    shutdown_grace_s: float
 
     @property
     def name(self) -> str:
@@ -75,6 +77,9 @@ class GenerationInterface(Protocol):
 
     def replica_load(self) -> list[ReplicaLoad]:
         """Each data-parallel replica's streamed samples (empty for a backend of one engine)."""
+
+    def samples_in_flight(self) -> list[InFlightSample]:
+        """The streamed samples not yet reported, and for how long each has run."""
 
     def generate_text(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
         """``{"prompts": [str], "stop_strings"?: [...]}`` in; ``{"texts": [str]}`` out."""

@@ -14,6 +14,7 @@ import logging
 import math
 import operator
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 #: under the new weights, and their tokens carry both versions).
 UpdateMode = Literal["wait", "abort", "keep"]
 UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
+#: Logged for a report of a sample that is not running: reported twice, or never started.
+STRAY_REPORT = "a backend reported sample %r, which is not running (reported twice, or never started)"
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,26 @@ class FinishedSample:
     error: str | None = None
     started: bool = True
     replica: int | None = None
+
+
+@dataclass(frozen=True)
+class InFlightSample:
+    """A streamed sample not yet reported (``BaseGeneration.samples_in_flight``): ``key`` is the
+    name the backend was started with; ``state`` ``"running"`` (handed to the backend
+    ``running_s`` seconds ago, and ``ending`` says why the core asked it to end, if it did) or
+    ``"held"`` (waiting for a weight update to end)."""
+
+    rollout_id: int
+    index: int
+    key: str
+    state: Literal["running", "held"]
+    running_s: float | None
+    ending: str | None
+
+    def __str__(self) -> str:
+        where = f"running for {self.running_s:.1f} s" if self.running_s is not None else "held"
+        asked = f", asked to end ({self.ending}) but not reported" if self.ending else ", not reported"
+        return f"rollout {self.rollout_id} sample {self.index} (key {self.key!r}): {where}{asked}"
 
 
 @dataclass(frozen=True)
@@ -103,6 +126,8 @@ class _Sample:
     #: The replica the caller prefers, and the one it last ran on.
     prefer: int | None = None
     replica: int | None = None
+    #: When it was last handed to the backend (``time.monotonic()``; None: not yet).
+    started: float | None = None
 
     @property
     def key(self) -> str:
@@ -178,6 +203,10 @@ class Rollout:
         """Whether every sample has finished (or the rollout failed)."""
         with self._cond:
             return len(self._results) == self.size or self._error is not None
+
+    def in_flight(self) -> list[InFlightSample]:
+        """This rollout's samples not yet reported (``BaseGeneration.samples_in_flight``)."""
+        return [s for s in self._streams.samples() if s.rollout_id == self.rollout_id]
 
     def cancel(self, indices: int | Sequence[int] | None = None) -> None:
         """End the samples ``indices`` (None: all of them) that have not finished: each is
@@ -347,6 +376,21 @@ class Streams:
         with self._cond:
             return len(self._running) + len(self._held)
 
+    def samples(self) -> list[InFlightSample]:
+        """Every sample in flight: running ones (longest running first), then held ones."""
+        now = time.monotonic()
+        with self._cond:
+            running = sorted(self._running.values(), key=lambda s: s.started or now)
+            return [
+                InFlightSample(
+                    s.rollout.rollout_id, s.index, s.key, "running", now - (s.started or now), s.ending
+                )
+                for s in running
+            ] + [
+                InFlightSample(s.rollout.rollout_id, s.index, s.key, "held", None, s.ending)
+                for s in self._held
+            ]
+
     def submit(
         self,
         rollout: Rollout,
@@ -373,6 +417,7 @@ class Streams:
                 s.versions.pop()
             if not s.versions or s.versions[-1][0] != self.version:
                 s.versions.append((self.version, len(s.token_ids)))
+            s.started = time.monotonic()
             self._running[s.key] = s
         try:
             self._start([s.request() for s in samples])
@@ -401,7 +446,7 @@ class Streams:
             for f in finished:
                 sample = self._running.pop(f.key, None)
                 if sample is None:
-                    logger.warning("a backend reported sample %r, which is not running", f.key)
+                    logger.error(STRAY_REPORT, f.key)
                     continue
                 try:
                     self._ended(sample, f)
@@ -491,9 +536,9 @@ class Streams:
                     s.ending = None
                 self._launch(held)
 
-    def close(self, timeout_s: float = 60.0) -> None:
+    def close(self, timeout_s: float) -> None:
         """End every sample (at shutdown): held ones at once, running ones once the engine
-        reports them (or fails them after ``timeout_s``), all ``aborted``."""
+        reports them (or fails them after ``timeout_s``, each named), all ``aborted``."""
         with self._cond:
             for s in self._held:
                 self._finish(s, "aborted")
@@ -506,5 +551,11 @@ class Streams:
             with self._cond:
                 if not self._cond.wait_for(lambda: not self._running, timeout_s):
                     for s in self._running.values():
-                        s.rollout._fail(RollgenError("the engine shut down before it ended this sample"))
+                        s.rollout._fail(
+                            RollgenError(
+                                f"sample {s.index} of rollout {s.rollout.rollout_id} (key {s.key!r}): the "
+                                f"engine shut down without reporting it within {timeout_s:g} s (a backend "
+                                "must report every sample it started once, aborted ones too)"
+                            )
+                        )
                     self._running.clear()
