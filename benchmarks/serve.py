@@ -307,11 +307,10 @@ def submit_contestant(
 
 
 def measure_rollgen(
-    gen: Any, server: Any, clients: LoadClients, args: argparse.Namespace, vocab: int
+    gen: Any, server: Any, clients: LoadClients, args: argparse.Namespace, vocab: int, rows: list[Any]
 ) -> list[dict[str, Any]]:
     """rollgen's contestants at each level of ``args.in_flight``: its server, then in-process
-    ``submit``, each row printed as it is measured."""
-    rows = []
+    ``submit``, each row added to ``rows`` and printed as it is measured."""
     body = completion_body(server.model_id, args.max_tokens, args.temperature, args.stream)
     for level in args.in_flight:
         load = prompts(requests_for(level, args.requests, args.waves), vocab, args.prompt_len)
@@ -363,7 +362,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     clients = LoadClients(args.clients)
     try:
         with rollgen.create_generation(config) as gen, rollgen.serve(gen, limits=serve_limits(args)) as srv:
-            rows = measure_rollgen(gen, srv, clients, args, gen.model_info.vocab_size)
+            rows = measure_rollgen(gen, srv, clients, args, gen.model_info.vocab_size, [])
     finally:
         clients.close()
     print_table(rows, COLUMNS)

@@ -8,7 +8,9 @@ generator (in ``--clients`` processes of its own) at each level of ``--in-flight
   which vLLM 0.26 and 0.32 both have) started as a subprocess with the engine arguments
   rollgen's engine ran with (``engine_kwargs`` of its worker spec, less rollgen's worker
   extension and ``skip_tokenizer_init``: raw vLLM's server detokenizes; rollgen's server does
-  that itself), after rollgen's engine is shut down: the two engines never share the GPU.
+  that itself), after rollgen's engine is shut down: the two engines never share the GPU;
+  also with its answers not streamed (``--no-plain-raw``: not), as its throughput without the
+  per-token chunks it streams (rollgen streams one chunk per sample).
 
 Per contestant: tokens/s, tokens per request (no ``ignore_eos``, which rollgen lacks: a random
 model rarely stops early; ``fewest_tokens`` in the JSON says if one did), median and p99 answer
@@ -63,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 #: rollgen's engine arguments the raw server is not given (see the docstring).
 NOT_FOR_RAW = ("worker_extension_cls", "skip_tokenizer_init", "distributed_executor_backend")
+#: The raw server's contestant with ``--plain-raw``: the same load, answers not streamed.
+PLAIN = "raw vllm serve, not streamed"
 #: How long the raw server may take to answer ``/v1/models`` after its start.
 START_TIMEOUT_S = 400.0
 RATIO_COLUMNS = [
@@ -73,6 +77,7 @@ RATIO_COLUMNS = [
     "p99_answer_s",
     "server_cpu_ms",
     "submit_tokens_per_s",
+    "tokens_per_s_vs_plain",
 ]
 
 
@@ -224,21 +229,27 @@ def wait_gpu_released(util: float, timeout_s: float = 120.0) -> None:
 
 
 def measure_raw(
-    raw: RawServer, clients: serve.LoadClients, args: argparse.Namespace, vocab: int
+    raw: RawServer, clients: serve.LoadClients, args: argparse.Namespace, vocab: int, rows: list[Any]
 ) -> list[dict[str, Any]]:
+    """The raw server at each level (``--stream`` as rollgen's; ``--plain-raw``: also not
+    streamed), each row added to ``rows`` and printed as it is measured."""
     assert raw.proc is not None
-    rows = []
-    body = serve.completion_body(raw.model_id, args.max_tokens, args.temperature, args.stream)
+    bodies = {"raw vllm serve": args.stream}
+    if args.plain_raw and args.stream:
+        bodies[PLAIN] = False
     for level in args.in_flight:
         load = serve.prompts(serve.requests_for(level, args.requests, args.waves), vocab, args.prompt_len)
-        run = serve.http_contestant(clients, raw.url, raw.key, body, load, level)
-        rows.append(serve.measured("raw vllm serve", level, run, raw.proc.pid, len(clients) > 0))
-        print_table(rows[-1:], serve.COLUMNS)
+        for name, stream in bodies.items():
+            body = serve.completion_body(raw.model_id, args.max_tokens, args.temperature, stream)
+            run = serve.http_contestant(clients, raw.url, raw.key, body, load, level)
+            rows.append(serve.measured(name, level, run, raw.proc.pid, len(clients) > 0))
+            print_table(rows[-1:], serve.COLUMNS)
     return rows
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """rollgen serve / raw vllm serve at each level (and in-process submit's throughput / raw)."""
+    """rollgen serve / raw vllm serve at each level; in-process submit's throughput / raw's;
+    rollgen serve's throughput / the raw server's not streamed (None without it)."""
     by = {(r["contestant"], r["in_flight"]): r for r in rows}
     out = []
     for level in sorted({r["in_flight"] for r in rows}):
@@ -247,9 +258,11 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if raw is None or ours is None or submit is None:
             continue
         row: dict[str, Any] = {"in_flight": level}
-        for key in RATIO_COLUMNS[1:-1]:
+        for key in RATIO_COLUMNS[1:-2]:
             row[key] = ours[key] / raw[key] if raw[key] else None
         row["submit_tokens_per_s"] = submit["tokens_per_s"] / raw["tokens_per_s"]
+        plain = by.get((PLAIN, level))
+        row["tokens_per_s_vs_plain"] = ours["tokens_per_s"] / plain["tokens_per_s"] if plain else None
         out.append(row)
     return out
 
@@ -262,6 +275,12 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     parser.add_argument("--util", type=float, default=0.3, help="gpu_memory_utilization of each engine")
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--plain-raw",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the raw server with answers not streamed (its throughput without per-token chunks)",
+    )
     serve.add_load_arguments(
         parser,
         in_flight=[256, 1024, 4096],
@@ -290,13 +309,13 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
             kwargs = engine_kwargs(gen.worker_specs[0], None)
             with rollgen.serve(gen, limits=serve.serve_limits(args)) as server:
                 model_id = server.model_id
-                results["rows"] += serve.measure_rollgen(gen, server, clients, args, vocab)
+                serve.measure_rollgen(gen, server, clients, args, vocab, results["rows"])
                 save_all("serve_gpu", results, args.out)
         wait_gpu_released(args.util)
         with RawServer(raw_server_args(kwargs), model_id, Path(args.out) / "vllm_serve.log") as raw:
             command = " ".join(raw.command).replace(raw.key, "KEY")
             results["settings"] = [{"raw_command": command, "rollgen_engine_kwargs": kwargs, **vars(args)}]
-            results["rows"] += measure_raw(raw, clients, args, vocab)
+            measure_raw(raw, clients, args, vocab, results["rows"])
     finally:
         clients.close()
         results["ratios"] = ratios(results["rows"])
