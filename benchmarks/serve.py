@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import multiprocessing
 import multiprocessing.connection
 import signal
@@ -25,6 +26,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -33,8 +35,11 @@ import torch
 
 import rollgen
 from benchmarks.common import print_table, random_prompts, write_results
+from rollgen.errors import RollgenError
 from rollgen.serving import Limits
 from rollgen.testing.config import tiny_config
+
+logger = logging.getLogger(__name__)
 
 PROMPT_LEN = 8
 #: Requests each load runs untimed first, per client (connections made, engine warm).
@@ -286,6 +291,23 @@ def measured(
     return row
 
 
+def record(rows: list[dict[str, Any]], name: str, level: int, measure: Callable[[], dict[str, Any]]) -> None:
+    """Adds ``measure()``'s row to ``rows`` and prints it; a load that failed (an HTTP error, a
+    lost connection, rollgen's error) is logged and added as a row with its ``error``, so that
+    the other contestants are still measured."""
+    try:
+        rows.append(measure())
+    except (RuntimeError, aiohttp.ClientError, RollgenError) as exc:
+        logger.error("%s at %d in flight failed: %s", name, level, exc)
+        rows.append({"contestant": name, "in_flight": level, "error": str(exc)[-2000:]})
+        return
+    print_table(rows[-1:], COLUMNS)
+
+
+def measured_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if "error" not in r]
+
+
 def http_contestant(
     clients: LoadClients, url: str, key: str, body: dict[str, Any], load: list[list[int]], level: int
 ) -> Callable[[], list[dict[str, Any]]]:
@@ -320,8 +342,7 @@ def measure_rollgen(
         }
         for name, run in contestants.items():
             apart = name == "rollgen serve" and len(clients) > 0
-            rows.append(measured(name, level, run, psutil.Process().pid, apart))
-            print_table(rows[-1:], COLUMNS)
+            record(rows, name, level, partial(measured, name, level, run, psutil.Process().pid, apart))
     return rows
 
 
@@ -365,7 +386,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             rows = measure_rollgen(gen, srv, clients, args, gen.model_info.vocab_size, [])
     finally:
         clients.close()
-    print_table(rows, COLUMNS)
+    print_table(measured_rows(rows), COLUMNS)
     write_results("serve", rows, args.out)
     return rows
 

