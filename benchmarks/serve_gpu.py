@@ -153,6 +153,8 @@ class RawServer:
         self.log = log
         self._log_file: IO[bytes] | None = None
         self.proc: subprocess.Popen[bytes] | None = None
+        #: The server's process tree once it is up (its engine core), killed on stop if left.
+        self._tree: list[psutil.Process] = []
 
     def __enter__(self) -> RawServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -181,6 +183,7 @@ class RawServer:
                 with urllib.request.urlopen(request, timeout=5) as answer:
                     if answer.status == 200:
                         logger.info("raw vLLM server up in %.0f s", time.monotonic() - t)
+                        self._tree = psutil.Process(self.proc.pid).children(recursive=True)
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
@@ -191,22 +194,38 @@ class RawServer:
         return self.log.read_bytes()[-n:].decode(errors="replace")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            tree = psutil.Process(self.proc.pid).children(recursive=True)
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            for child in tree:
-                if child.is_running():
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self._tree += psutil.Process(self.proc.pid).children(recursive=True)
+                self.proc.send_signal(signal.SIGINT)
+                try:
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            left = [p for p in self._tree if p.is_running()]
+            for child in left:
+                try:
                     child.kill()
-            psutil.wait_procs(tree, timeout=10)
-        self.proc = None
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(left, timeout=10)
+        self.proc, self._tree = None, []
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+
+
+def interrupt_once() -> None:
+    """The first SIGINT raises KeyboardInterrupt; later ones are ignored, so that the cleanup it
+    starts (stopping the servers, saving the rows) runs to its end: GNU ``timeout`` sends its
+    signal to the command and then to the command's process group, so this process gets two."""
+
+    def first(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, first)
 
 
 def raise_open_files_limit() -> None:
@@ -300,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     logging.basicConfig(level=logging.INFO)
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the driver also runs Ray
     raise_open_files_limit()
+    interrupt_once()
     clients = serve.LoadClients(args.clients)  # before any engine or server thread
     results: dict[str, list[dict[str, Any]]] = {"rows": [], "ratios": [], "settings": []}
     try:
