@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -244,6 +245,14 @@ def test_a_backend_without_async_is_refused() -> None:
     with rollgen.create_generation(tiny_config("example", max_new_tokens=2)) as example:
         with pytest.raises(UnsupportedCapability, match="'async'"):
             rollgen.serve(example, api_key=KEY).__enter__()
+
+
+def test_the_port_listens_once_start_returns(gen: Any) -> None:
+    """A client may connect as soon as ``serve`` returns (uvicorn's lifespan startup, where the
+    server says it is ready, comes before uvicorn listens: the server listens itself first)."""
+    with rollgen.serve(gen, api_key=KEY) as s:
+        socket.create_connection(("127.0.0.1", s.port), timeout=5).close()
+        assert httpx.get(f"{s.url}/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
 
 
 def test_auth_off_only_on_loopback(gen: Any) -> None:

@@ -115,6 +115,9 @@ class Server:
 
         app = build_app(self.state, self.api_key, lifespan)
         config = uvicorn.Config(app, log_level=self.log_level, lifespan="on", timeout_graceful_shutdown=30)
+        # listening now: uvicorn runs the lifespan's startup (which says ready) before it listens,
+        # and a client that connects as soon as start() returns would be refused
+        sock.listen(config.backlog)
         self._uvicorn = uvicorn.Server(config)
 
         def run() -> None:
