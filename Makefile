@@ -31,8 +31,10 @@ test-conformance:
 	$(CONFORMANCE) --rollgen-backend=sglang --rollgen-allow-unavailable --rollgen-report=out/conformance-sglang.json
 	$(CONFORMANCE) --rollgen-backend=hf --rollgen-report=out/conformance-hf.json
 	$(CONFORMANCE) --rollgen-backend=example --rollgen-report=out/conformance-example.json
-	# The remote backend, a client of `rollgen serve`, against a server over hf that the suite starts.
+	# The remote backend, a client of `rollgen serve`, against a server that the suite starts over
+	# hf, then over vLLM-CPU (one engine start; about 30 s on 2 cores).
 	ROLLGEN_REMOTE_BACKEND=hf $(CONFORMANCE) --rollgen-backend=remote --rollgen-report=out/conformance-remote-hf.json
+	ROLLGEN_REMOTE_BACKEND=vllm $(CONFORMANCE) --rollgen-backend=remote --rollgen-report=out/conformance-remote-vllm.json
 	$(CONFORMANCE) --rollgen-backend=vllm --rollgen-report=out/conformance-vllm-tp1.json
 	# DP=2 and TP=2 leave out three tests that start engines of their own to check what the core
 	# decides before any engine sees a batch (seeds, stop ids, the model's EOS ids): each would

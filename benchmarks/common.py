@@ -95,12 +95,32 @@ QWEN25_1P5B: dict[str, Any] = {
 }
 
 
-def qwen25_1p5b_dir(root: str = "/tmp/rollgen-bench/qwen2.5-1.5b-shape") -> str:
-    """A model folder with only Qwen2.5-1.5B's config.json (no weights, no tokenizer)."""
-    path = Path(root)
+def qwen25_1p5b_dir(root: str = "/tmp/rollgen-bench/qwen2.5-1.5b-shape", tokenizer: bool = False) -> str:
+    """A model folder with Qwen2.5-1.5B's config.json (no weights) and, if asked (in a folder of
+    its own), a tokenizer for servers that detokenize (``word_level_tokenizer``)."""
+    path = Path(root + "-tok" if tokenizer else root)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(QWEN25_1P5B, indent=2))
+    if tokenizer and not (path / "tokenizer.json").is_file():
+        word_level_tokenizer(QWEN25_1P5B["vocab_size"], QWEN25_1P5B["eos_token_id"]).save_pretrained(path)
     return str(path)
+
+
+def word_level_tokenizer(vocab_size: int, eos_id: int) -> Any:
+    """A fast tokenizer of ``vocab_size`` words (`` t0``, `` t1``, ...; ``eos_id`` is
+    ``<|endoftext|>``), so that every id a model of that vocabulary samples decodes to text. The
+    words are written in the byte-level alphabet (``Ġ`` is a space): transformers 5 loads a
+    folder whose config says ``qwen2`` with Qwen2's byte-level tokenizer class whatever the
+    tokenizer files say."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    eos = "<|endoftext|>"
+    vocab = {f"\u0120t{i}": i for i in range(vocab_size) if i != eos_id} | {eos: eos_id}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="\u0120t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    pad = "\u0120t0"
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, model_max_length=2048)
 
 
 #: The GPU workload: prompts of PROMPT random token ids, GEN new tokens each (temperature 1).

@@ -1,13 +1,16 @@
 """The OpenAI endpoint's cost: the same requests through ``rollgen.serve`` (driven by an aiohttp
 load generator, one connection per request in flight) and through in-process ``submit`` (one
-single-sample rollout per request), at each number of requests in flight; optionally also
-against another OpenAI-compatible server of the same model (``--compare-url``: raw ``vllm
-serve``). Per contestant: wall time, generated tokens per second, the median and p99 time to a
-request's answer, and the CPU seconds this process spent per request (the server's work on top
-of the engine's is the difference to in-process).
+single-sample rollout per request), at each number of requests in flight. Per contestant: wall
+time, generated tokens per second, the median and p99 time to a request's answer, the median time
+to its first token (``--stream``: the first chunk; rollgen streams whole samples, so there it is
+the answer's time), and CPU seconds per request: the load generator's (``client``), the serving
+process's (``server``: here the trainer's process, with rollgen's driver) and the rest of the
+machine's (``other``: the engine's processes and anything else running). ``--clients N`` runs the
+load in N processes of its own (0: in this process, beside the server). The GPU run against raw
+``vllm serve`` is ``benchmarks/serve_gpu.py``, built on this module.
 
     python -m benchmarks.serve [--backend hf] [--config JSON] [--requests 64] [--in-flight 8,32]
-        [--max-tokens 16] [--compare-url http://127.0.0.1:8000/v1 --compare-model NAME]
+        [--max-tokens 16] [--stream] [--clients 0]
 """
 
 from __future__ import annotations
@@ -15,128 +18,375 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import signal
 import statistics
 import time
+import traceback
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import aiohttp
+import psutil
 import torch
 
 import rollgen
-from benchmarks.common import print_table, write_results
+from benchmarks.common import print_table, random_prompts, write_results
+from rollgen.errors import RollgenError
+from rollgen.serving import Limits
 from rollgen.testing.config import tiny_config
 
+logger = logging.getLogger(__name__)
+
 PROMPT_LEN = 8
+#: Requests each load runs untimed first, per client (connections made, engine warm).
+WARMUP = 16
+#: The longest one request may take before the load fails.
+REQUEST_TIMEOUT_S = 600.0
+COLUMNS = [
+    "contestant",
+    "in_flight",
+    "requests",
+    "tokens_per_s",
+    "tokens_per_request",
+    "median_answer_s",
+    "p99_answer_s",
+    "median_ttft_s",
+    "client_cpu_ms",
+    "server_cpu_ms",
+    "other_cpu_ms",
+]
+
+#: One request's outcome: the tokens it generated and when (``time.perf_counter``) its first
+#: token arrived.
+Outcome = tuple[int, float]
 
 
-def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    ids = torch.randint(10, min(vocab, 400), (n, PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
-    return ids.tolist()
+def prompts(n: int, vocab: int, length: int = PROMPT_LEN, seed: int = 0) -> list[list[int]]:
+    return [list(map(int, row)) for row in random_prompts(n, length, vocab, seed).tolist()]
+
+
+def requests_for(level: int, least: int, waves: int) -> int:
+    """How many requests a load of ``level`` in flight runs: ``waves`` times ``level``, at least
+    ``least``."""
+    return max(least, waves * level)
 
 
 async def drive(
-    requests: list[list[int]], in_flight: int, one: Callable[[list[int]], Awaitable[int]]
+    requests: list[list[int]], in_flight: int, one: Callable[[list[int]], Awaitable[Outcome]]
 ) -> dict[str, Any]:
-    """Run ``one(prompt)`` (→ generated tokens) for every prompt, ``in_flight`` at a time."""
+    """Run ``one(prompt)`` for every prompt, ``in_flight`` at a time: each request's tokens,
+    answer and first-token seconds, the load's start and end (``perf_counter``) and the CPU
+    seconds this process spent."""
     gate = asyncio.Semaphore(in_flight)
-    latencies: list[float] = []
+    tokens: list[int] = []
+    answers: list[float] = []
+    firsts: list[float] = []
 
-    async def timed(prompt: list[int]) -> int:
+    async def timed(prompt: list[int]) -> None:
         async with gate:
             t = time.perf_counter()
-            tokens = await one(prompt)
-            latencies.append(time.perf_counter() - t)
-            return tokens
+            n, first = await one(prompt)
+            answers.append(time.perf_counter() - t)
+            firsts.append(first - t)
+            tokens.append(n)
 
-    cpu, wall = time.process_time(), time.perf_counter()
-    tokens = sum(await asyncio.gather(*(timed(p) for p in requests)))
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    latencies.sort()
+    cpu, start = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(timed(p) for p in requests))
     return {
-        "wall_s": wall,
+        "start": start,
+        "end": time.perf_counter(),
+        "cpu_s": time.process_time() - cpu,
         "tokens": tokens,
-        "tokens_per_s": tokens / wall,
-        "median_answer_s": statistics.median(latencies),
-        "p99_answer_s": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
-        "cpu_ms_per_request": 1000 * cpu / len(requests),
+        "answers": answers,
+        "firsts": firsts,
     }
 
 
-def in_process(gen: Any, max_tokens: int) -> Callable[[list[int]], Awaitable[int]]:
-    async def one(prompt: list[int]) -> int:
+def summarize(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from the ``drive`` results of a load's parts (run at the same time)."""
+    tokens = [n for p in parts for n in p["tokens"]]
+    answers = sorted(a for p in parts for a in p["answers"])
+    wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
+    return {
+        "requests": len(tokens),
+        "wall_s": wall,
+        "tokens": sum(tokens),
+        "tokens_per_s": sum(tokens) / wall,
+        "tokens_per_request": sum(tokens) / len(tokens),
+        "fewest_tokens": min(tokens),
+        "median_answer_s": statistics.median(answers),
+        "p99_answer_s": answers[min(len(answers) - 1, int(0.99 * len(answers)))],
+        "median_ttft_s": statistics.median(f for p in parts for f in p["firsts"]),
+    }
+
+
+def in_process(gen: Any, max_tokens: int, temperature: float) -> Callable[[list[int]], Awaitable[Outcome]]:
+    """A contestant: ``gen.submit`` of the batch the server makes of a request; its first token
+    is its answer (a rollout yields whole samples)."""
+
+    async def one(prompt: list[int]) -> Outcome:
         batch = {
             "input_ids": torch.tensor([prompt]),
             "input_lengths": torch.tensor([len(prompt)]),
             "max_new_tokens": torch.tensor([max_tokens]),
+            "temperature": torch.tensor([float(temperature)]),
         }
-        rollout = gen.submit(batch, greedy=True)
-        return sum([len(r.token_ids) async for r in rollout])
+        rollout = gen.submit(batch)
+        tokens = sum([len(r.token_ids) async for r in rollout])
+        return tokens, time.perf_counter()
 
     return one
+
+
+def completion_body(model: str, max_tokens: int, temperature: float, stream: bool) -> dict[str, Any]:
+    """A ``/v1/completions`` request's fields besides its prompt."""
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
 
 
 def over_http(
-    session: aiohttp.ClientSession, url: str, key: str, model: str, max_tokens: int
-) -> Callable[[list[int]], Awaitable[int]]:
+    session: aiohttp.ClientSession, url: str, key: str, body: dict[str, Any]
+) -> Callable[[list[int]], Awaitable[Outcome]]:
+    """A contestant: one ``/v1/completions`` request per prompt. Streamed, its first token is
+    the first chunk's arrival and its tokens the usage event's; else both are the answer's."""
     headers = {"Authorization": f"Bearer {key}"}
 
-    async def one(prompt: list[int]) -> int:
-        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-        async with session.post(f"{url}/completions", json=body, headers=headers) as answer:
+    async def one(prompt: list[int]) -> Outcome:
+        request = {**body, "prompt": prompt}
+        async with session.post(f"{url}/completions", json=request, headers=headers) as answer:
             if answer.status != 200:
-                raise RuntimeError(f"{url}: {answer.status} {await answer.text()}")
-            data = await answer.json()
-        return int(data["usage"]["completion_tokens"])
+                raise RuntimeError(f"{url}: HTTP {answer.status}: {await answer.text()}")
+            if not body.get("stream"):
+                data = await answer.json()
+                return int(data["usage"]["completion_tokens"]), time.perf_counter()
+            first: float | None = None
+            chunks = []
+            async for chunk in answer.content.iter_any():
+                first = first or time.perf_counter()
+                chunks.append(chunk)
+        return streamed_tokens(b"".join(chunks), url), first or time.perf_counter()
 
     return one
 
 
-async def measure(gen: Any, server: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
-    load = prompts(args.requests, gen.model_info.vocab_size)
-    rows = []
+def streamed_tokens(stream: bytes, url: str) -> int:
+    """The generated tokens of a server-sent event stream, from its last event (usage)."""
+    events = [e[len(b"data: ") :] for e in stream.split(b"\n\n") if e.startswith(b"data: ")]
+    last: dict[str, Any] = next((json.loads(e) for e in reversed(events) if e.strip() != b"[DONE]"), {})
+    if "error" in last or not last.get("usage"):
+        raise RuntimeError(f"{url}: a stream without usage at its end: {stream[-500:]!r}")
+    return int(last["usage"]["completion_tokens"])
+
+
+async def http_load(
+    url: str, key: str, body: dict[str, Any], requests: list[list[int]], in_flight: int, warmup: int
+) -> dict[str, Any]:
+    """``requests`` over HTTP, ``in_flight`` at a time on as many connections, after ``warmup``
+    of them untimed; ``drive``'s result."""
+    connector = aiohttp.TCPConnector(limit=in_flight)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        one = over_http(session, url, key, body)
+        await drive(requests[:warmup], in_flight, one)
+        return await drive(requests, in_flight, one)
+
+
+def _client(conn: multiprocessing.connection.Connection) -> None:
+    """A load-generator process: runs each ``http_load`` job sent, answers its result (or
+    ``("error", traceback)``), ends when the pipe closes or sends None. The parent stops it:
+    SIGINT (a time limit's) is the parent's to handle."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        try:
+            conn.send(asyncio.run(http_load(**job)))
+        except Exception:  # noqa: BLE001 - reported to the parent, which raises it
+            conn.send(("error", traceback.format_exc()))
+
+
+class LoadClients:
+    """``n`` load-generator processes (spawned once, kept for every load), each driving its share
+    of a load: every n-th request and its share of the requests in flight. Their CPU is the
+    ``client`` column; the server's process does none of their work."""
+
+    def __init__(self, n: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.pipes: list[multiprocessing.connection.Connection] = []
+        self.procs: list[Any] = []
+        for _ in range(n):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_client, args=(theirs,), daemon=True, name="load-client")
+            proc.start()
+            self.pipes.append(mine)
+            self.procs.append(proc)
+
+    def __len__(self) -> int:
+        return len(self.procs)
+
+    def run(self, url: str, key: str, body: dict[str, Any], requests: list[list[int]], in_flight: int) -> Any:
+        """The load's parts (``drive`` results), one per client that got requests."""
+        n = min(len(self), in_flight, len(requests))
+        for i, conn in enumerate(self.pipes[:n]):
+            share = in_flight // n + (i < in_flight % n)
+            job = {"url": url, "key": key, "body": body, "requests": requests[i::n], "in_flight": share}
+            conn.send(job | {"warmup": min(WARMUP, share)})
+        parts = [conn.recv() for conn in self.pipes[:n]]
+        for part in parts:
+            if isinstance(part, tuple):
+                raise RuntimeError(f"a load client failed:\n{part[1]}")
+        return parts
+
+    def close(self) -> None:
+        for conn in self.pipes:
+            try:
+                conn.send(None)
+            except OSError:  # a client already gone
+                pass
+            conn.close()
+        for proc in self.procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds every core of the machine spent busy (not idle, not waiting on I/O)."""
+    t = psutil.cpu_times()
+    return float(sum(t)) - t.idle - getattr(t, "iowait", 0.0)
+
+
+def process_cpu_s(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def measured(
+    name: str, level: int, run: Callable[[], list[dict[str, Any]]], server_pid: int, clients_apart: bool
+) -> dict[str, Any]:
+    """One contestant's row at ``level`` in flight: ``run()`` → the load's parts; CPU per request
+    of the load's processes (``clients_apart``: its parts' own; else none apart from the
+    server's), of the server's process and of everything else on the machine."""
+    busy, server = busy_cpu_s(), process_cpu_s(server_pid)
+    parts = run()
+    busy, server = busy_cpu_s() - busy, process_cpu_s(server_pid) - server
+    row = {"contestant": name, "in_flight": level, **summarize(parts)}
+    client = sum(p["cpu_s"] for p in parts) if clients_apart else 0.0
+    per_request = 1000 / row["requests"]
+    row.update(
+        client_cpu_ms=client * per_request if clients_apart else None,
+        server_cpu_ms=server * per_request,
+        other_cpu_ms=max(0.0, busy - client - server) * per_request,
+    )
+    return row
+
+
+def record(rows: list[dict[str, Any]], name: str, level: int, measure: Callable[[], dict[str, Any]]) -> None:
+    """Adds ``measure()``'s row to ``rows`` and prints it; a load that failed (an HTTP error, a
+    lost connection, rollgen's error) is logged and added as a row with its ``error``, so that
+    the other contestants are still measured."""
+    try:
+        rows.append(measure())
+    except (RuntimeError, aiohttp.ClientError, RollgenError) as exc:
+        logger.error("%s at %d in flight failed: %s", name, level, exc)
+        rows.append({"contestant": name, "in_flight": level, "error": str(exc)[-2000:]})
+        return
+    print_table(rows[-1:], COLUMNS)
+
+
+def measured_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if "error" not in r]
+
+
+def http_contestant(
+    clients: LoadClients, url: str, key: str, body: dict[str, Any], load: list[list[int]], level: int
+) -> Callable[[], list[dict[str, Any]]]:
+    """A load over HTTP: from the client processes, or (none) from this process."""
+    if len(clients):
+        return lambda: clients.run(url, key, body, load, level)
+    return lambda: [asyncio.run(http_load(url, key, body, load, level, min(WARMUP, level)))]
+
+
+def submit_contestant(
+    gen: Any, max_tokens: int, temperature: float, load: list[list[int]], level: int
+) -> Callable[[], list[dict[str, Any]]]:
+    async def both() -> dict[str, Any]:
+        one = in_process(gen, max_tokens, temperature)
+        await drive(load[: min(WARMUP, level)], level, one)
+        return await drive(load, level, one)
+
+    return lambda: [asyncio.run(both())]
+
+
+def measure_rollgen(
+    gen: Any, server: Any, clients: LoadClients, args: argparse.Namespace, vocab: int, rows: list[Any]
+) -> list[dict[str, Any]]:
+    """rollgen's contestants at each level of ``args.in_flight``: its server, then in-process
+    ``submit``, each row added to ``rows`` and printed as it is measured."""
+    body = completion_body(server.model_id, args.max_tokens, args.temperature, args.stream)
     for level in args.in_flight:
-        connector = aiohttp.TCPConnector(limit=level)
-        async with aiohttp.ClientSession(connector=connector) as session:
-            contestants = {
-                "in-process submit": in_process(gen, args.max_tokens),
-                "rollgen serve": over_http(
-                    session, server.url, server.api_key, server.model_id, args.max_tokens
-                ),
-            }
-            if args.compare_url:
-                contestants["compared server"] = over_http(
-                    session,
-                    args.compare_url.rstrip("/"),
-                    args.compare_key,
-                    args.compare_model,
-                    args.max_tokens,
-                )
-            for name, one in contestants.items():
-                await drive(load[: min(len(load), level)], level, one)  # warm-up
-                rows.append({"contestant": name, "in_flight": level, **await drive(load, level, one)})
+        load = prompts(requests_for(level, args.requests, args.waves), vocab, args.prompt_len)
+        contestants = {
+            "rollgen serve": http_contestant(clients, server.url, server.api_key, body, load, level),
+            "in-process submit": submit_contestant(gen, args.max_tokens, args.temperature, load, level),
+        }
+        for name, run in contestants.items():
+            apart = name == "rollgen serve" and len(clients) > 0
+            record(rows, name, level, partial(measured, name, level, run, psutil.Process().pid, apart))
     return rows
+
+
+def add_load_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None:
+    """The load's flags (``defaults`` override the smoke-run ones)."""
+    levels = defaults.get("in_flight", [8, 32])
+    parser.add_argument("--in-flight", type=lambda s: [int(x) for x in s.split(",")], default=levels)
+    parser.add_argument(
+        "--requests", type=int, default=defaults.get("requests", 64), help="requests per level, at least"
+    )
+    parser.add_argument(
+        "--waves", type=int, default=defaults.get("waves", 1), help="requests per level: this x in-flight"
+    )
+    parser.add_argument("--max-tokens", type=int, default=defaults.get("max_tokens", 16))
+    parser.add_argument("--temperature", type=float, default=defaults.get("temperature", 0.0))
+    parser.add_argument("--prompt-len", type=int, default=defaults.get("prompt_len", PROMPT_LEN))
+    parser.add_argument(
+        "--stream", action=argparse.BooleanOptionalAction, default=defaults.get("stream", False)
+    )
+    parser.add_argument(
+        "--clients", type=int, default=defaults.get("clients", 0), help="load processes (0: this one)"
+    )
+    parser.add_argument("--out", default="out/benchmarks")
+
+
+def serve_limits(args: argparse.Namespace) -> Limits:
+    """The server's limits for the load: every request in flight admitted."""
+    return Limits(max_concurrent_requests=max(Limits().max_concurrent_requests, *args.in_flight))
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="hf")
     parser.add_argument("--config", default=None, help="JSON merged into the tiny model's config")
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--in-flight", type=lambda s: [int(x) for x in s.split(",")], default=[8, 32])
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--compare-url", default=None)
-    parser.add_argument("--compare-key", default="none")
-    parser.add_argument("--compare-model", default=None)
-    parser.add_argument("--out", default="out/benchmarks")
+    add_load_arguments(parser)
     args = parser.parse_args(argv)
     config = tiny_config(args.backend, max_new_tokens=args.max_tokens, **json.loads(args.config or "{}"))
-    with rollgen.create_generation(config) as gen, rollgen.serve(gen) as server:
-        rows = asyncio.run(measure(gen, server, args))
-    print_table(
-        rows,
-        ["contestant", "in_flight", "tokens_per_s", "median_answer_s", "p99_answer_s", "cpu_ms_per_request"],
-    )
+    clients = LoadClients(args.clients)
+    try:
+        with rollgen.create_generation(config) as gen, rollgen.serve(gen, limits=serve_limits(args)) as srv:
+            rows = measure_rollgen(gen, srv, clients, args, gen.model_info.vocab_size, [])
+    finally:
+        clients.close()
+    print_table(measured_rows(rows), COLUMNS)
     write_results("serve", rows, args.out)
     return rows
 

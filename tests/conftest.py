@@ -5,7 +5,7 @@ import sys
 import pytest
 from hypothesis import settings
 
-from rollgen.testing.tiny_model import tiny_model_dir
+from rollgen.testing.tiny_model import cache_root, tiny_model_dir
 
 # Property tests must not depend on the machine's load or on luck: no deadline, and the same
 # examples in every run.
@@ -16,6 +16,23 @@ settings.load_profile("rollgen")
 @pytest.fixture(scope="session")
 def model_dir() -> str:
     return tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def prepared() -> str:
+    """What in-process runs of the suite (pytester) must find ready, done before pytester
+    snapshots the process: the tiny models' cache (pytester points HOME elsewhere, where they
+    would be built again: minutes), and the engines' imports (an in-process run unloads the
+    modules it imported, which breaks transformers' lazy imports in the next run). Returns the
+    cache folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import rollgen_example.engine  # noqa: F401
+    import rollgen_hf.generation  # noqa: F401
+
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir())
+    AutoTokenizer.from_pretrained(tiny_model_dir())
+    return str(cache_root())
 
 
 @pytest.fixture(scope="session")

@@ -328,12 +328,62 @@ def test_long_tail_methods_generate_the_same_tokens_on_hf(hf_config: dict) -> No
 
 
 def test_the_serve_benchmark_runs_both_contestants(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A smoke run (the figures belong in BENCHMARKS.md, not here): the server and in-process
-    submit generate the same greedy tokens for the same load."""
+    """A smoke run (the figures belong in BENCHMARKS.md, not here): the server, streamed to a
+    load-generator process, and in-process submit generate the same greedy tokens for the same
+    load; the client's CPU is counted apart."""
     from benchmarks import serve
 
-    rows = serve.main(["--requests", "4", "--in-flight", "2", "--max-tokens", "3", "--out", str(tmp_path)])
+    argv = ["--requests", "4", "--in-flight", "2", "--max-tokens", "3", "--stream", "--clients", "1"]
+    rows = serve.main([*argv, "--out", str(tmp_path)])
     by_name = {r["contestant"]: r for r in rows}
     assert set(by_name) == {"in-process submit", "rollgen serve"}
     assert by_name["rollgen serve"]["tokens"] == by_name["in-process submit"]["tokens"] > 0
+    assert (
+        by_name["rollgen serve"]["client_cpu_ms"] > 0
+        and by_name["in-process submit"]["client_cpu_ms"] is None
+    )
     assert (tmp_path / "serve.json").is_file()
+
+
+def test_the_raw_server_gets_rollgens_engine_arguments_as_flags() -> None:
+    from benchmarks.serve_gpu import ratios, raw_server_args
+
+    kwargs = {
+        "model": "/m",
+        "enforce_eager": True,
+        "enable_sleep_mode": False,
+        "worker_extension_cls": "rollgen_vllm.extension.RollgenWorkerExtension",
+        "skip_tokenizer_init": True,
+        "distributed_executor_backend": None,
+        "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}},
+        "max_num_seqs": 1024,
+    }
+    assert raw_server_args(kwargs) == [
+        "--model",
+        "/m",
+        "--enforce-eager",
+        "--no-enable-sleep-mode",
+        "--compilation-config",
+        '{"pass_config": {"fuse_allreduce_rms": false}}',
+        "--max-num-seqs",
+        "1024",
+    ]
+    row = {"tokens_per_s": 100.0, "median_ttft_s": 1.0, "median_answer_s": 1.0, "p99_answer_s": 2.0}
+    rows = [
+        {"contestant": "raw vllm serve", "in_flight": 8, **row, "server_cpu_ms": 2.0},
+        {"contestant": "rollgen serve", "in_flight": 8, **row, "tokens_per_s": 95.0, "server_cpu_ms": 3.0},
+        {
+            "contestant": "in-process submit",
+            "in_flight": 8,
+            **row,
+            "tokens_per_s": 99.0,
+            "server_cpu_ms": 1.0,
+        },
+    ]
+    (ratio,) = ratios(rows)
+    assert (
+        ratio["tokens_per_s"] == 0.95
+        and ratio["server_cpu_ms"] == 1.5
+        and ratio["submit_tokens_per_s"] == 0.99
+    )
+    assert ratio["tokens_per_s_vs_plain"] is None

@@ -8,7 +8,6 @@ import pytest
 import rollgen.registry
 from rollgen import Backend, Capability, GenerationConfig, hookimpl
 from rollgen.registry import PluginRecord, Registry
-from rollgen.testing.tiny_model import cache_root, tiny_model_dir
 
 pytest_plugins = ["pytester"]
 
@@ -55,21 +54,6 @@ class Broken:
         raise RuntimeError("this plugin is broken at registration")
 
 
-@pytest.fixture(scope="session")
-def prepared() -> str:
-    """What the runs below must find ready, done before pytester snapshots the process: the tiny
-    models' cache (pytester points HOME elsewhere, where they would be built again: minutes), and
-    the example engine's imports (an in-process run unloads the modules it imported, which breaks
-    transformers' lazy imports in the next run). Returns the cache folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import rollgen_example.engine  # noqa: F401
-
-    AutoModelForCausalLM.from_pretrained(tiny_model_dir())
-    AutoTokenizer.from_pretrained(tiny_model_dir())
-    return str(cache_root())
-
-
 @pytest.fixture
 def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, prepared: str) -> pytest.Pytester:
     """pytester, with the installed plugins and those above as the process-wide registry."""
@@ -92,6 +76,7 @@ def pytest_runtest_setup(item):
     if "test_empty_batch" in item.name:
         seen = json.loads(pathlib.Path({str(report)!r}).read_text())
         assert [t["test"].split("::")[-1] for t in seen["tests"]] == ["test_registration"]
+        assert seen["running"] == "TestConformance::test_empty_batch", seen["running"]
 """
     )
     result = suite.runpytest_inprocess(
@@ -107,6 +92,7 @@ def pytest_runtest_setup(item):
     assert data["header"]["backend"] == "claims"
     assert data["header"]["distribution"] == "rollgen-suite-backends"
     assert data["header"]["spec_version"] == 1 and "logprobs" in data["header"]["capabilities"]
+    assert data["running"] is None, "no test runs once the run ended"
     assert {t["outcome"] for t in data["tests"]} == {"passed", "failed"}
     failed = next(t for t in data["tests"] if t["outcome"] == "failed")
     assert "claimed broken" in failed["error"], "a failure's text is in the report"
@@ -119,7 +105,7 @@ def test_undeclared_capabilities_are_asserted_then_skipped(suite: pytest.Pyteste
     assert set(outcomes) - {"deselected"} == {"skipped"} and outcomes["skipped"] >= 3, outcomes
     result.stdout.fnmatch_lines(
         [
-            "*text not declared (UnsupportedCapability asserted)*",
+            "*OutputContractTests: text not declared (UnsupportedCapability asserted)*",
             "*refit (refit_tensors or refit_ipc) not declared (UnsupportedCapability asserted)*",
         ]
     )

@@ -230,3 +230,13 @@ def test_engine_plan_refuses_what_cannot_work_on_the_machine() -> None:
         plan(False, enable_sleep_mode=True)
     with pytest.raises(ConfigError, match="whole GPU per rank"):
         plan(True, tensor_parallel_size=2, gpus_per_bundle=0.5)
+
+
+def test_a_sample_goes_to_its_preferred_replica_while_it_has_room_else_the_least_loaded() -> None:
+    from rollgen.distributed.dispatch import place
+
+    assert place(1, [5, 2]) == 1, "the replica holding its prefix, while it has room"
+    assert place(1, [5, 0]) == 0, "a full preferred replica: the one with the most room"
+    assert place(None, [2, 5, 5]) == 1, "no preference: the most room, the first of equals"
+    assert place(7, [0, 3]) == 1, "a replica the dispatcher does not have is no preference"
+    assert place(0, [0, 0]) is None and place(None, [0, -1]) is None, "nothing has room: it waits"

@@ -42,6 +42,9 @@ def test_the_async_example_refits_while_samples_run() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     assert "refit to weight version 2 after 8 samples" in run.stdout, run.stdout
     assert "samples 12," in run.stdout, run.stdout
+    shown = [line.split(":")[0] for line in run.stdout.splitlines() if " sample " in line]
+    assert len(shown) == 4 and len(set(shown)) == 4, f"each result names its rollout: {shown}"
+    assert all(name.startswith("batch ") for name in shown), shown
 
 
 def test_the_agent_loop_trains_on_the_engines_own_tokens() -> None:

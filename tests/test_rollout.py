@@ -8,6 +8,7 @@ with Events and Conditions, and a join with a timeout is only ever a safety net.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -123,12 +124,12 @@ class StandInBackend(Recorder):
         return self.streams
 
     def submit(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8, tag: Any = None
     ) -> tuple[Rollout, list[SampleRequest]]:
         """Submit a batch as ``BaseGeneration.submit`` does; returns the rollout and the requests
         started by this call (none while an update holds new samples)."""
         ids, lengths = right_pad([list(p) for p in prompts], PAD, torch.long)
-        rollout = Rollout(self.book, BatchedDataDict({"input_ids": ids, "input_lengths": lengths}), PAD)
+        rollout = Rollout(self.book, BatchedDataDict({"input_ids": ids, "input_lengths": lengths}), PAD, tag)
         before = len(self.started)
         self.book.submit(rollout, [tuple(p) for p in prompts], [sample_params(max_new_tokens)] * len(prompts))
         return rollout, self.started[before:]
@@ -236,6 +237,55 @@ def test_each_result_once_in_finish_order_and_wait_in_batch_order(caplog: pytest
         [8, 9, 10, 20, EOS, PAD, PAD],
     ]
     assert out["logprobs"][1, 1:3].tolist() == pytest.approx([-0.7, -0.8])
+
+
+def test_results_of_rollouts_in_one_queue_name_their_rollout() -> None:
+    backend = StandInBackend()
+    first, first_requests = backend.submit([(5,), (6,)], tag="step-1")
+    second, second_requests = backend.submit([(7,), (8,)], tag=("step", 2))
+    for request in second_requests + first_requests:
+        backend.finish(request, (30, EOS))
+    queue = drain(second) + drain(first)
+    assert [(r.tag, r.index) for r in queue] == [
+        (("step", 2), 0),
+        (("step", 2), 1),
+        ("step-1", 0),
+        ("step-1", 1),
+    ]
+    assert {r.rollout_id for r in queue} == {first.rollout_id, second.rollout_id} and len(queue) == 4
+    assert first.rollout_id != second.rollout_id and first.tag == "step-1"
+    assert queue[0] == dataclasses.replace(queue[2], tag=None), "== compares what was generated"
+
+
+@pytest.mark.parametrize("use_async", [False, True])
+def test_groups_yield_whole_groups_in_completion_order_in_row_order(use_async: bool) -> None:
+    """Rows 0-1 and 2-3 are two groups of 2: the group finished first comes first, once all of
+    it finished, its rows in order; from threads and from asyncio alike."""
+    backend = StandInBackend()
+    rollout, requests = backend.submit([(5,), (6,), (7,), (8,)])
+    groups = rollout.groups(2)
+    got: list[list[int]] = []
+    for i in (1, 3, 2):
+        backend.finish(requests[i], (30 + i, EOS))
+
+    def take(group: list[SampleResult]) -> None:
+        got.append([r.index for r in group])
+        if len(got) == 1:  # group 0 is not whole before its row 0 ends
+            backend.finish(requests[0], (30, EOS))
+
+    async def take_async() -> None:
+        async for group in groups:
+            take(group)
+
+    if use_async:
+        asyncio.run(take_async())
+    else:
+        for group in groups:
+            take(group)
+    assert got == [[2, 3], [0, 1]]
+    for bad in (3, 0, True, 1.0):
+        with pytest.raises(InputError, match="group size"):
+            rollout.groups(bad)  # type: ignore[arg-type]
 
 
 def test_blocking_iteration_yields_each_result_as_it_is_delivered() -> None:
@@ -555,7 +605,7 @@ def test_a_failing_start_fails_the_rollout_and_leaves_nothing_in_flight() -> Non
 def test_close_aborts_running_samples_and_waits_for_their_report() -> None:
     backend = StandInBackend()
     rollout, (a, b) = backend.submit([(5,), (6,)])
-    closing = InThread(backend.book.close)
+    closing = InThread(lambda: backend.book.close(timeout_s=60))
     backend.wait_aborts(1)
     assert sorted(backend.abort_calls[0]) == sorted([a.key, b.key])
     backend.finish(a, (10,), aborted=True)
@@ -575,7 +625,7 @@ def test_close_ends_held_samples_aborted_at_once() -> None:
     with backend.book.update("keep", fresh=lambda: True):
         held["late"], _ = backend.submit([(6,)])
         assert backend.book.in_flight == 2  # a (to continue) and the late one, both held
-        backend.book.close()
+        backend.book.close(timeout_s=60)
         assert backend.book.in_flight == 0
     assert len(backend.abort_calls) == 1, "close had nothing running to abort"
     assert len(backend.started) == 1, "nothing restarts after close"
@@ -586,10 +636,15 @@ def test_close_ends_held_samples_aborted_at_once() -> None:
 def test_close_fails_samples_the_engine_never_reports() -> None:
     backend = StandInBackend()
     rollout, (a,) = backend.submit([(5,)])
+    (listed,) = backend.book.samples()
+    assert (listed.key, listed.state, listed.ending) == (a.key, "running", None), listed
+    assert [s.key for s in rollout.in_flight()] == [a.key]
     backend.book.close(timeout_s=0.05)  # nothing will report a: close gives up on it
     assert backend.abort_calls == [[a.key]]
-    assert backend.book.in_flight == 0
-    with pytest.raises(RollgenError, match="shut down before it ended"):
+    assert backend.book.in_flight == 0 and backend.book.samples() == []
+    with pytest.raises(
+        RollgenError, match=f"sample 0 of rollout {rollout.rollout_id} .*without reporting it"
+    ):
         rollout.wait()
 
 
@@ -859,6 +914,35 @@ def test_a_rejected_refit_leaves_samples_running(standin_config: dict) -> None:
     assert rollout.wait()[0].stop_reason in STOP_REASONS
 
 
+def test_wait_ready_returns_once_woken_refitted_fresh_or_shut_down(standin_config: dict) -> None:
+    """``wait_ready`` (what the server waits in for a sleeping engine): it returns when the
+    trainer's call that makes the generation ready ends, or False once it never can be."""
+    gen = make(PlainGeneration, standin_config)
+    source = zero_weights(gen)
+    assert gen.ready and gen.wait_ready(0)
+    gen.finish_generation()
+    assert not gen.ready and not gen.wait_ready(0)
+    waiter = InThread(gen.wait_ready)
+    gen.prepare_for_generation(["weights"])
+    assert not gen.ready, "the KV cache is still asleep"
+    gen.prepare_for_generation()
+    assert waiter.result() is True
+
+    gen.fail_apply = True
+    with pytest.raises(RuntimeError, match="lost a bucket"):
+        gen.refit(source)
+    assert not gen.ready and not gen.wait_ready(0), "stale weights"
+    waiter = InThread(gen.wait_ready)
+    gen.fail_apply = False
+    gen.refit(source)
+    assert waiter.result() is True
+
+    gen.finish_generation()
+    waiter = InThread(gen.wait_ready)
+    gen.shutdown()
+    assert waiter.result() is False and not gen.ready
+
+
 def test_shutdown_ends_streamed_samples_aborted(standin_config: dict) -> None:
     gen = make(StandInGeneration, standin_config)
     rollout = gen.submit(prompts_batch([5, 6], [7], pad=standin_config["pad_token_id"]))
@@ -901,6 +985,44 @@ def test_hf_weight_version_counts_refits_and_stamps_streamed_tokens(hf_engine: A
     expected = engine.generate(batch, greedy=True)
     assert torch.equal(out["output_ids"], expected["output_ids"])
     assert out["stop_reasons"] == expected["stop_reasons"]
+
+
+def test_hf_rollouts_feeding_one_queue_in_whole_groups(hf_engine: Any) -> None:
+    """Two tagged rollouts of two prompts times two samples each, forwarded group by group into
+    one asyncio queue (as an async GRPO trainer takes them): every group whole, each result
+    naming its rollout."""
+    engine = hf_engine
+    batch = prompts_batch([5, 6, 7], [5, 6, 7], [8, 9], [8, 9], pad=engine.cfg["pad_token_id"])
+
+    async def run() -> list[list[SampleResult]]:
+        queue: asyncio.Queue[list[SampleResult]] = asyncio.Queue()
+
+        async def forward(rollout: Rollout) -> None:
+            async for group in rollout.groups(2):
+                await queue.put(group)
+
+        rollouts = [engine.submit(batch, tag=f"step-{i}") for i in range(2)]
+        await asyncio.gather(*(forward(r) for r in rollouts))
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+
+    groups = asyncio.run(run())
+    assert sorted((g[0].tag, [r.index for r in g]) for g in groups) == [
+        ("step-0", [0, 1]),
+        ("step-0", [2, 3]),
+        ("step-1", [0, 1]),
+        ("step-1", [2, 3]),
+    ]
+    assert all(len({r.rollout_id for r in g}) == 1 and all(r.token_ids for r in g) for g in groups)
+
+
+def test_hf_takes_replica_0_or_none_and_reports_no_replica(hf_engine: Any) -> None:
+    batch = prompts_batch([5, 6, 7], pad=hf_engine.cfg["pad_token_id"])
+    for bad in (1, -1, True, "0"):
+        with pytest.raises(InputError, match="replica"):
+            hf_engine.submit(batch, replica=bad)
+    assert hf_engine.replica_load() == []
+    (result,) = hf_engine.submit(batch, greedy=True, replica=0).wait()
+    assert result.replica is None and result.token_ids
 
 
 def test_hf_generate_raises_while_a_rollout_is_in_flight(hf_engine: Any) -> None:

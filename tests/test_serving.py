@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -245,6 +247,14 @@ def test_a_backend_without_async_is_refused() -> None:
             rollgen.serve(example, api_key=KEY).__enter__()
 
 
+def test_the_port_listens_once_start_returns(gen: Any) -> None:
+    """A client may connect as soon as ``serve`` returns (uvicorn's lifespan startup, where the
+    server says it is ready, comes before uvicorn listens: the server listens itself first)."""
+    with rollgen.serve(gen, api_key=KEY) as s:
+        socket.create_connection(("127.0.0.1", s.port), timeout=5).close()
+        assert httpx.get(f"{s.url}/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
 def test_auth_off_only_on_loopback(gen: Any) -> None:
     with pytest.raises(ConfigError, match="loopback"):
         rollgen.serving.Server(gen, host="0.0.0.0", require_api_key=False)
@@ -254,16 +264,9 @@ def test_auth_off_only_on_loopback(gen: Any) -> None:
     assert generated.api_key and len(generated.api_key) >= 32
 
 
-def test_sleep_shutdown_and_limits_answer_503_and_429(client: openai.OpenAI, server: Any, gen: Any) -> None:
+def test_shutdown_and_limits_answer_503_and_429(client: openai.OpenAI, server: Any, gen: Any) -> None:
     ask = {"model": server.model_id, "prompt": PROMPT, "max_tokens": 2}
     auth = {"Authorization": f"Bearer {KEY}"}
-    gen.finish_generation()
-    try:
-        asleep = httpx.post(f"{server.url}/completions", headers=auth, json=ask)
-    finally:
-        gen.prepare_for_generation()
-    assert asleep.status_code == 503 and asleep.headers["retry-after"] == "1", asleep.text
-    assert "prepare_for_generation" in asleep.json()["error"]["message"]
     server.state.closing = True  # as while the server stops
     try:
         closing = httpx.post(f"{server.url}/completions", headers=auth, json=ask)
@@ -381,14 +384,81 @@ def test_stop_strings_end_the_text_before_them(client: openai.OpenAI, server: An
 
 
 def test_a_request_waits_for_the_trainer_then_gets_503(gen: Any) -> None:
-    """While the trainer holds the generation (here its lock, held as a long refit holds it), a
-    request waits ``submit_timeout_s``, then gets 503 with ``Retry-After``; the server serves on."""
+    """While the trainer holds the generation (here its lock, held as a long refit holds it) or
+    has put it to sleep, a request waits ``submit_timeout_s``, then gets 503 with
+    ``Retry-After``; the server serves on."""
     ask = {"model": None, "prompt": PROMPT, "max_tokens": 2}
     auth = {"Authorization": f"Bearer {KEY}"}
     with rollgen.serve(gen, api_key=KEY, limits=Limits(submit_timeout_s=0.5)) as patient:
         ask["model"] = patient.model_id
+        gen.finish_generation()
+        try:
+            asleep = httpx.post(f"{patient.url}/completions", headers=auth, json=ask, timeout=60)
+        finally:
+            gen.prepare_for_generation()
+        assert asleep.status_code == 503 and asleep.headers["retry-after"] == "1", asleep.text
+        message = asleep.json()["error"]["message"]
+        assert "prepare_for_generation" in message and "submit_timeout_s" in message, message
         with gen._lock:
             busy = httpx.post(f"{patient.url}/completions", headers=auth, json=ask, timeout=60)
         assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
         assert "busy" in busy.json()["error"]["message"]
         assert httpx.post(f"{patient.url}/completions", headers=auth, json=ask, timeout=60).status_code == 200
+
+
+def test_a_request_that_comes_while_asleep_is_answered_once_awake(
+    gen: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request to a sleeping generation waits for the trainer's ``prepare_for_generation``
+    (the status endpoint counts it as waiting), then is answered as any other; one still
+    waiting when the server stops gets 503 then."""
+    entered = threading.Event()
+    wait_ready = gen.wait_ready
+
+    def watched(timeout_s: float | None = None) -> bool:  # the real wait, seen entering
+        entered.set()
+        return bool(wait_ready(timeout_s))
+
+    monkeypatch.setattr(gen, "wait_ready", watched)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    answers: list[httpx.Response] = []
+    with rollgen.serve(gen, api_key=KEY) as server:
+        ask = {"model": server.model_id, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+        gen.finish_generation()
+        request = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(f"{server.url}/completions", headers=auth, json=ask, timeout=120)
+            )
+        )
+        try:
+            request.start()
+            assert entered.wait(60), "the request did not wait for the generation"
+            status = httpx.get(f"{server.url}/rollgen/status", headers=auth).json()
+        finally:
+            gen.prepare_for_generation()
+        request.join()
+    assert status["requests_waiting"] == 1 and status["requests_running"] == 1, status
+    (answer,) = answers
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["choices"][0]["rollgen"]["token_ids"]) == 2
+
+    entered.clear()
+    answers.clear()
+    gen.finish_generation()
+    try:
+        with rollgen.serve(gen, api_key=KEY) as server:
+            ask["model"] = server.model_id
+            request = threading.Thread(
+                target=lambda: answers.append(
+                    httpx.post(f"{server.url}/completions", headers=auth, json=ask, timeout=120)
+                )
+            )
+            request.start()
+            assert entered.wait(60), "the request did not wait for the generation"
+        request.join()  # the server stopped with the request waiting
+    finally:
+        gen.prepare_for_generation()
+    (stopped,) = answers
+    assert stopped.status_code == 503 and stopped.json()["error"]["code"] == "server_shutting_down", (
+        stopped.text
+    )

@@ -250,6 +250,59 @@ def test_a_collective_update_that_fails_on_one_replica_makes_the_whole_generatio
     assert torch.equal(after["logprobs"], before["logprobs"])
 
 
+def test_streamed_samples_go_to_the_preferred_replica_or_the_least_loaded(dp2, batch: dict) -> None:
+    """DP=2: samples that prefer replica 1 run there while it has room; samples with no
+    preference spread over both (the most room first); each result says where it ran, and the
+    replicas' counts of started samples add up to the samples sent."""
+    before = dp2.replica_load()
+    assert [(r.replica, r.running) for r in before] == [(0, 0), (1, 0)] and all(
+        r.capacity > 0 for r in before
+    )
+    pinned = dp2.submit(batch, greedy=True, replica=1).wait()
+    assert {r.replica for r in pinned} == {1}
+    spread = dp2.submit(batch, greedy=True).wait()
+    assert {r.replica for r in spread} == {0, 1}
+    assert [r.token_ids for r in pinned] == [r.token_ids for r in spread], "greedy: the same anywhere"
+    after = dp2.replica_load()
+    assert all(r.running == 0 for r in after)
+    ran = [sum(r.replica == i for r in pinned + spread) for i in range(2)]
+    assert [a.started - b.started for a, b in zip(after, before)] == ran
+    with pytest.raises(rollgen.InputError, match="replica"):
+        dp2.submit(batch, replica=2)
+
+
+def test_a_served_sessions_turns_stay_on_the_replica_that_holds_its_prefix(dp2) -> None:
+    """``rollgen serve`` over DP=2: each turn of a session prefers the replica of its last turn
+    (here replica 1, where a busy replica 0 would have sent it: idle, replica 0 comes first);
+    the status endpoint's per-replica counts add up to the samples served."""
+    import httpx
+    import openai
+
+    key = "replicas-key-" + "0" * 20
+    auth = {"Authorization": f"Bearer {key}"}
+    with rollgen.serve(dp2, api_key=key) as server:
+        client = openai.OpenAI(base_url=server.url, api_key=key, max_retries=0)
+        before = httpx.get(f"{server.url}/rollgen/status", headers=auth).json()["replicas"]
+
+        def turn(session: str, prompt: str) -> int:
+            done = client.completions.create(
+                model=server.model_id, prompt=prompt, max_tokens=4, extra_body={"session_id": session}
+            )
+            return int(done.choices[0].model_extra["rollgen"]["replica"])
+
+        first = turn("a", "count: 1 2")
+        assert server.state.sessions.get("a").replica == first
+        server.state.sessions.get("a").replica = 1  # as if replica 0 had been busy then
+        later = [turn("a", " 3"), turn("a", " 4")]
+        free = client.completions.create(model=server.model_id, prompt="abc: a b", max_tokens=4, n=3)
+        status = httpx.get(f"{server.url}/rollgen/status", headers=auth).json()
+    assert later == [1, 1], "the session's turns stay on its replica"
+    assert {c.model_extra["rollgen"]["replica"] for c in free.choices} == {0, 1}, "others: the least loaded"
+    replicas = status["replicas"]
+    assert [r["replica"] for r in replicas] == [0, 1] and all(r["running"] == 0 for r in replicas)
+    assert sum(r["started"] - b["started"] for r, b in zip(replicas, before)) == 3 + 3
+
+
 def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(dp2) -> None:
     """``dp2`` (DP=2, the CPU defaults but a small KV cache): once ``shutdown()`` returns, its
     actors are dead, their processes gone, its placement group removed, and the shared-memory

@@ -37,7 +37,7 @@ from rollgen.refit import (
 )
 from rollgen.refit.link import EngineLink, InProcessLink
 from rollgen.refit.updates import WeightUpdates
-from rollgen.rollout import Rollout, SampleRequest, Streams, UpdateMode
+from rollgen.rollout import InFlightSample, ReplicaLoad, Rollout, SampleRequest, Streams, UpdateMode
 from rollgen.sampling import SampleParams, resolve_sampling, truncate_at_stop
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS, Capability
 
@@ -50,7 +50,8 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 def serialised(method: _Method) -> _Method:
     """Run ``method`` under the generation's lock: calls from several threads on one generation
     object run one at a time, in the order they take the lock. A worker that died
-    (``WorkerError.died``) ends the generation: later calls raise that error at once."""
+    (``WorkerError.died``) ends the generation: later calls raise that error at once. Threads in
+    ``wait_ready`` look again once the call ends (it may have woken the engine or refitted it)."""
 
     @functools.wraps(method)
     def locked(self: BaseGeneration, *args: Any, **kwargs: Any) -> Any:
@@ -60,6 +61,8 @@ def serialised(method: _Method) -> _Method:
             except WorkerError as exc:
                 self._worker_failed(exc)
                 raise
+            finally:
+                self._state_changed()
 
     return cast(_Method, locked)
 
@@ -73,6 +76,10 @@ class BaseGeneration(ABC):
     local_transport: Transport = "tensors"
     #: Whether the engine runs in this process (its end of a weight-sync group joins here).
     engines_in_process: ClassVar[bool] = True
+    #: How long ``shutdown`` waits for the engine to report the streamed samples it aborts; one
+    #: not reported by then fails its rollout, named (a setting of the object: set it before
+    #: ``shutdown``).
+    shutdown_grace_s: float = 60.0
 
     def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
         from rollgen.registry import get_registry
@@ -99,6 +106,8 @@ class BaseGeneration(ABC):
         self._weight_spec: WeightSpec | None = None
         #: Calls from several threads run one at a time (a refit waits for a running generate).
         self._lock = threading.RLock()
+        #: Notified after every call that may change ``ready`` (``wait_ready`` waits on it).
+        self._readiness = threading.Condition()
         #: The batch of the generate in progress, and its samples' settings.
         self._params: tuple[Mapping[str, Any], bool, list[SampleParams]] | None = None
         #: Samples streamed by ``submit``, and the weight version.
@@ -167,11 +176,34 @@ class BaseGeneration(ABC):
         """False once the generation was shut down or one of its engine workers died."""
         return not self._closed and self._dead is None
 
+    @property
+    def ready(self) -> bool:
+        """Whether ``generate`` and ``submit`` can run now as far as the generation's state goes:
+        usable, every part awake (``prepare_for_generation``), its weights not stale."""
+        stale = "updates" in self.__dict__ and self.updates.stale is not None  # made by the first call
+        return self.usable and self._awake >= set(WAKE_TAGS) and not stale
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until ``ready`` or until the generation can never be (shut down, a worker
+        died), at most ``timeout_s`` seconds (None: no limit); returns ``ready``. For callers in
+        other threads that find the engine asleep or stale (``EngineAsleep``, ``StaleWeights``)
+        and would rather wait for the trainer's ``prepare_for_generation`` or refit than fail
+        (``rollgen.serve`` does). It takes no lock: a call in progress (a refit) is waited for
+        by the call that follows, as usual."""
+        with self._readiness:
+            self._readiness.wait_for(lambda: self.ready or not self.usable, timeout_s)
+        return self.ready
+
+    def _state_changed(self) -> None:
+        with self._readiness:
+            self._readiness.notify_all()
+
     def _worker_failed(self, error: WorkerError) -> None:
         """A worker failed (in a call, or while streaming samples): if it died, the generation
         ends with it (later calls raise that death at once)."""
         if error.died and self._dead is None:
             self._dead = error
+            self._state_changed()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -275,18 +307,39 @@ class BaseGeneration(ABC):
         streamed token is stamped with the version that produced it."""
         return self._streams.version
 
+    def samples_in_flight(self) -> list[InFlightSample]:
+        """The streamed samples not yet reported, with how long each has run and whether it was
+        asked to end: what a call that waits for them (``Rollout.wait``, an update, ``shutdown``)
+        is waiting for."""
+        return self._streams.samples()
+
     @serialised
-    def submit(self, data: Mapping[str, Any], greedy: bool = False) -> Rollout:
+    def submit(
+        self, data: Mapping[str, Any], greedy: bool = False, *, tag: Any = None, replica: int | None = None
+    ) -> Rollout:
         """Start generating for a batch (``generate``'s input) and return at once; the returned
-        ``Rollout`` yields each sample's result as it finishes. Batches submitted while others
-        run share the engine (continuous batching); a weight update in between says what happens
-        to them (``mode`` of ``refit``/``update_weights``)."""
+        ``Rollout`` yields each sample's result as it finishes (each carrying ``tag``, the
+        caller's name for the rollout). Batches submitted while others run share the engine
+        (continuous batching); a weight update in between says what happens to them (``mode``
+        of ``refit``/``update_weights``). ``replica``: the data-parallel replica to prefer
+        while it has room (one that holds the prompts' prefix; ``SampleResult.replica`` says
+        where a sample ran); None: the least loaded."""
         self.require(Capability.ASYNC, "submit (streamed rollouts)")
+        replicas = max(1, len(self.replica_load()))
+        if replica is not None and (
+            isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas
+        ):
+            raise InputError(f"submit(replica={replica!r}): a replica is an int in [0, {replicas}) or None")
         batch, params = self._prepare(data, greedy)
-        rollout = Rollout(self._streams, batch, self.cfg["pad_token_id"])
+        rollout = Rollout(self._streams, batch, self.cfg["pad_token_id"], tag)
         self.updates.prefixes_cached = True
-        self._streams.submit(rollout, unpad(batch["input_ids"], batch["input_lengths"]), params)
+        self._streams.submit(rollout, unpad(batch["input_ids"], batch["input_lengths"]), params, replica)
         return rollout
+
+    def replica_load(self) -> list[ReplicaLoad]:
+        """Each data-parallel replica's streamed samples (running, capacity, started so far),
+        in replica order; empty where the backend runs one engine that places nothing."""
+        return []
 
     def _stream_stop_reason(self, params: SampleParams, end: int, tokens: list[int]) -> str:
         return stop_reason(
@@ -583,9 +636,10 @@ class BaseGeneration(ABC):
         if self._closed:
             return
         self._closed = True
+        self._state_changed()
         if "updates" in self.__dict__:
             self.updates.close()
-        self._streams.close()
+        self._streams.close(self.shutdown_grace_s)
         self._shutdown()
 
     def __enter__(self) -> BaseGeneration:

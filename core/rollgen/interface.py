@@ -12,7 +12,7 @@ from rollgen.data import BatchedDataDict
 from rollgen.model_info import ModelInfo
 from rollgen.refit import Transport, WeightBucket, WeightSpec
 from rollgen.refit.weight_sync import SyncBackend, SyncGroupSpec
-from rollgen.rollout import Rollout, UpdateMode
+from rollgen.rollout import InFlightSample, ReplicaLoad, Rollout, UpdateMode
 from rollgen.spec import Capability
 
 
@@ -28,6 +28,8 @@ class GenerationInterface(Protocol):
     max_model_len: int
     #: The transport ``refit()`` packs a local source with (``iter_buckets`` elsewhere).
     local_transport: Transport
+    #: How long ``shutdown`` waits for the engine to report the streamed samples it aborts.
+    shutdown_grace_s: float
 
     @property
     def name(self) -> str:
@@ -53,15 +55,31 @@ class GenerationInterface(Protocol):
         """False once shut down or once an engine worker died (create a new generation)."""
 
     @property
+    def ready(self) -> bool:
+        """Whether it can generate now: usable, awake, its weights not stale."""
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until ``ready`` (or until it can never be), at most ``timeout_s``; returns ``ready``."""
+
+    @property
     def weight_version(self) -> int:
         """How many weight updates have completed (streamed tokens are stamped with it)."""
 
     def generate(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
         """Right-padded ``input_ids``/``input_lengths`` in; GenerationOutputSpec out."""
 
-    def submit(self, data: Mapping[str, Any], greedy: bool = False) -> Rollout:
+    def submit(
+        self, data: Mapping[str, Any], greedy: bool = False, *, tag: Any = None, replica: int | None = None
+    ) -> Rollout:
         """``generate``'s input in; returns at once a ``Rollout`` that yields each sample as it
-        finishes (capability ``async``)."""
+        finishes, each result carrying ``tag`` (capability ``async``); ``replica``: the
+        data-parallel replica to prefer while it has room."""
+
+    def replica_load(self) -> list[ReplicaLoad]:
+        """Each data-parallel replica's streamed samples (empty for a backend of one engine)."""
+
+    def samples_in_flight(self) -> list[InFlightSample]:
+        """The streamed samples not yet reported, and for how long each has run."""
 
     def generate_text(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
         """``{"prompts": [str], "stop_strings"?: [...]}`` in; ``{"texts": [str]}`` out."""

@@ -14,6 +14,7 @@ import logging
 import math
 import operator
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,24 +34,30 @@ logger = logging.getLogger(__name__)
 #: under the new weights, and their tokens carry both versions).
 UpdateMode = Literal["wait", "abort", "keep"]
 UPDATE_MODES: tuple[str, ...] = get_args(UpdateMode)
+#: Logged for a report of a sample that is not running: reported twice, or never started.
+STRAY_REPORT = "a backend reported sample %r, which is not running (reported twice, or never started)"
 
 
 @dataclass(frozen=True)
 class SampleRequest:
     """One sample as a backend is asked to generate it: ``key`` names it in the backend's
     reports; ``prompt_ids`` is the prompt (after a ``keep`` update: the prompt and the tokens
-    generated so far)."""
+    generated so far); ``replica``: the data-parallel replica the caller would have it run on
+    (``submit(..., replica=)``: one holding its prefix), a preference a backend with several
+    replicas honours while that replica has room (None: the least loaded)."""
 
     key: str
     prompt_ids: tuple[int, ...]
     params: SampleParams
+    replica: int | None = None
 
 
 @dataclass(frozen=True)
 class FinishedSample:
     """A backend's report of one sample that ended: its generated tokens and their logprobs;
     ``aborted`` when it ended because it was asked to; ``error`` when the engine failed it;
-    ``started`` False when no engine had started it (it waited on the driver for one with room)."""
+    ``started`` False when no engine had started it (it waited on the driver for one with room);
+    ``replica``: the data-parallel replica it ran on (None: the backend has one engine)."""
 
     key: str
     token_ids: tuple[int, ...]
@@ -58,23 +65,51 @@ class FinishedSample:
     aborted: bool = False
     error: str | None = None
     started: bool = True
+    replica: int | None = None
     #: Times it was restarted from its start (or its last ``keep`` point) after an engine died.
     restarts: int = 0
 
 
 @dataclass(frozen=True)
+class InFlightSample:
+    """A streamed sample not yet reported (``BaseGeneration.samples_in_flight``): ``key`` is the
+    name the backend was started with; ``state`` ``"running"`` (handed to the backend
+    ``running_s`` seconds ago, and ``ending`` says why the core asked it to end, if it did) or
+    ``"held"`` (waiting for a weight update to end)."""
+
+    rollout_id: int
+    index: int
+    key: str
+    state: Literal["running", "held"]
+    running_s: float | None
+    ending: str | None
+
+    def __str__(self) -> str:
+        where = f"running for {self.running_s:.1f} s" if self.running_s is not None else "held"
+        asked = f", asked to end ({self.ending}) but not reported" if self.ending else ", not reported"
+        return f"rollout {self.rollout_id} sample {self.index} (key {self.key!r}): {where}{asked}"
+
+
+@dataclass(frozen=True)
 class SampleResult:
-    """One sample of a rollout. ``versions``: (weight version, index of the first generated
-    token it produced), in order; a sample that ran under one version has one segment."""
+    """One sample of a rollout. ``index``: its row in the batch; ``versions``: (weight version,
+    index of the first generated token it produced), in order; a sample that ran under one
+    version has one segment. ``rollout_id`` and ``tag`` (the caller's ``submit(..., tag=)``)
+    name its rollout, so results of several rollouts in one queue can be told apart;
+    ``replica`` is the data-parallel replica it last ran on (None: a backend of one engine, or
+    it never started). They are left out of ``==``, which compares what was generated."""
 
     index: int
     token_ids: list[int]
     logprobs: list[float]
     stop_reason: str
     versions: tuple[tuple[int, int], ...]
+    rollout_id: int = field(default=-1, compare=False)
+    tag: Any = field(default=None, compare=False)
+    replica: int | None = field(default=None, compare=False)
     #: Times it was restarted on another engine after the one running it died (``engine_failures:
     #: "replace"``): the tokens of a restarted run are dropped, those kept are the last run's.
-    restarts: int = 0
+    restarts: int = field(default=0, compare=False)
 
     def version_at(self, position: int) -> int:
         """The weight version that produced generated token ``position``."""
@@ -94,6 +129,11 @@ class _Sample:
     restarts: int = 0
     #: Why the core asked the backend to abort it (None: it runs to its end).
     ending: Literal["cancelled", "aborted", "continue"] | None = None
+    #: The replica the caller prefers, and the one it last ran on.
+    prefer: int | None = None
+    replica: int | None = None
+    #: When it was last handed to the backend (``time.monotonic()``; None: not yet).
+    started: float | None = None
 
     @property
     def key(self) -> str:
@@ -102,7 +142,19 @@ class _Sample:
     def request(self) -> SampleRequest:
         done = len(self.token_ids)
         params = dataclasses.replace(self.params, max_new_tokens=self.params.max_new_tokens - done)
-        return SampleRequest(self.key, self.prompt_ids + tuple(self.token_ids), params)
+        return SampleRequest(self.key, self.prompt_ids + tuple(self.token_ids), params, self.prefer)
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One data-parallel replica's streamed samples (``gen.replica_load()``): ``running``, sent
+    to it and not yet ended; ``capacity``, how many it decodes at once (0: it failed, it gets
+    none); ``started``, how many were started on it so far."""
+
+    replica: int
+    running: int
+    capacity: int
+    started: int
 
 
 class Rollout:
@@ -113,8 +165,12 @@ class Rollout:
 
     _ids = itertools.count()
 
-    def __init__(self, streams: Streams, batch: BatchedDataDict[Any], pad_token_id: int) -> None:
+    def __init__(
+        self, streams: Streams, batch: BatchedDataDict[Any], pad_token_id: int, tag: Any = None
+    ) -> None:
+        #: Unique among this process's rollouts; every result carries it, and ``tag``.
         self.rollout_id = next(self._ids)
+        self.tag = tag
         self.size = int(batch.size)
         self._streams = streams
         self._batch = batch
@@ -153,6 +209,10 @@ class Rollout:
         """Whether every sample has finished (or the rollout failed)."""
         with self._cond:
             return len(self._results) == self.size or self._error is not None
+
+    def in_flight(self) -> list[InFlightSample]:
+        """This rollout's samples not yet reported (``BaseGeneration.samples_in_flight``)."""
+        return [s for s in self._streams.samples() if s.rollout_id == self.rollout_id]
 
     def cancel(self, indices: int | Sequence[int] | None = None) -> None:
         """End the samples ``indices`` (None: all of them) that have not finished: each is
@@ -217,6 +277,16 @@ class Rollout:
                         if (loop, future) in self._waiters:
                             self._waiters.remove((loop, future))
 
+    def groups(self, k: int) -> Groups:
+        """The results in groups of ``k`` consecutive rows (rows ``g*k`` to ``g*k + k - 1``: the
+        ``k`` samples of one prompt in a GRPO batch), iterated from threads or asyncio: each
+        group once all its samples finished, in the order groups complete, its results in row
+        order. It takes the results as iterating the rollout does. InputError unless ``k``
+        divides the rollout's size."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or self.size % k:
+            raise InputError(f"groups({k!r}): a group size must be a positive int dividing {self.size}")
+        return Groups(self, k)
+
     def wait(self) -> list[SampleResult]:
         """Every sample's result, in batch order (waits for them; results already taken from the
         iteration are included)."""
@@ -239,6 +309,33 @@ class Rollout:
         out["stop_reasons"] = [r.stop_reason for r in results]
         out["weight_versions"] = [r.versions for r in results]
         return out
+
+
+class Groups:
+    """``Rollout.groups(k)``: whole groups of ``k`` rows, as each completes."""
+
+    def __init__(self, rollout: Rollout, k: int) -> None:
+        self._rollout, self._k = rollout, k
+        self._pending: dict[int, dict[int, SampleResult]] = {}
+
+    def _add(self, result: SampleResult) -> list[SampleResult] | None:
+        """The group ``result`` completes, in row order; None while it has rows to come."""
+        group = self._pending.setdefault(result.index // self._k, {})
+        group[result.index] = result
+        if len(group) < self._k:
+            return None
+        del self._pending[result.index // self._k]
+        return [group[i] for i in sorted(group)]
+
+    def __iter__(self) -> Iterator[list[SampleResult]]:
+        for result in self._rollout:
+            if (group := self._add(result)) is not None:
+                yield group
+
+    async def __aiter__(self) -> AsyncIterator[list[SampleResult]]:
+        async for result in self._rollout:
+            if (group := self._add(result)) is not None:
+                yield group
 
 
 def _index(value: Any) -> int:
@@ -285,10 +382,32 @@ class Streams:
         with self._cond:
             return len(self._running) + len(self._held)
 
+    def samples(self) -> list[InFlightSample]:
+        """Every sample in flight: running ones (longest running first), then held ones."""
+        now = time.monotonic()
+        with self._cond:
+            running = sorted(self._running.values(), key=lambda s: s.started or now)
+            return [
+                InFlightSample(
+                    s.rollout.rollout_id, s.index, s.key, "running", now - (s.started or now), s.ending
+                )
+                for s in running
+            ] + [
+                InFlightSample(s.rollout.rollout_id, s.index, s.key, "held", None, s.ending)
+                for s in self._held
+            ]
+
     def submit(
-        self, rollout: Rollout, prompts: list[tuple[int, ...]], params: Sequence[SampleParams]
+        self,
+        rollout: Rollout,
+        prompts: list[tuple[int, ...]],
+        params: Sequence[SampleParams],
+        replica: int | None = None,
     ) -> None:
-        samples = [_Sample(rollout, i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        samples = [
+            _Sample(rollout, i, p, sp, prefer=replica)
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
         with self._cond:
             if self._updating:
                 self._held.extend(samples)
@@ -304,6 +423,7 @@ class Streams:
                 s.versions.pop()
             if not s.versions or s.versions[-1][0] != self.version:
                 s.versions.append((self.version, len(s.token_ids)))
+            s.started = time.monotonic()
             self._running[s.key] = s
         try:
             self._start([s.request() for s in samples])
@@ -332,7 +452,7 @@ class Streams:
             for f in finished:
                 sample = self._running.pop(f.key, None)
                 if sample is None:
-                    logger.warning("a backend reported sample %r, which is not running", f.key)
+                    logger.error(STRAY_REPORT, f.key)
                     continue
                 try:
                     self._ended(sample, f)
@@ -352,6 +472,8 @@ class Streams:
         sample.restarts += f.restarts
         sample.token_ids.extend(f.token_ids)
         sample.logprobs.extend(f.logprobs)
+        if f.started and f.replica is not None:
+            sample.replica = f.replica
         tokens, params = sample.token_ids, sample.params
         # a sample that reached its end as it was stopped has nothing left to continue
         complete = len(tokens) >= params.max_new_tokens or bool(
@@ -372,8 +494,19 @@ class Streams:
     def _finish(self, sample: _Sample, reason: str) -> None:
         # a sample that never started is stamped with the version it would have run under
         versions = tuple(sample.versions) or ((self.version, 0),)
-        sample.rollout._put(
-            SampleResult(sample.index, sample.token_ids, sample.logprobs, reason, versions, sample.restarts)
+        rollout = sample.rollout
+        rollout._put(
+            SampleResult(
+                sample.index,
+                sample.token_ids,
+                sample.logprobs,
+                reason,
+                versions,
+                rollout.rollout_id,
+                rollout.tag,
+                sample.replica,
+                sample.restarts,
+            )
         )
 
     @contextmanager
@@ -411,9 +544,9 @@ class Streams:
                     s.ending = None
                 self._launch(held)
 
-    def close(self, timeout_s: float = 60.0) -> None:
+    def close(self, timeout_s: float) -> None:
         """End every sample (at shutdown): held ones at once, running ones once the engine
-        reports them (or fails them after ``timeout_s``), all ``aborted``."""
+        reports them (or fails them after ``timeout_s``, each named), all ``aborted``."""
         with self._cond:
             for s in self._held:
                 self._finish(s, "aborted")
@@ -426,5 +559,11 @@ class Streams:
             with self._cond:
                 if not self._cond.wait_for(lambda: not self._running, timeout_s):
                     for s in self._running.values():
-                        s.rollout._fail(RollgenError("the engine shut down before it ended this sample"))
+                        s.rollout._fail(
+                            RollgenError(
+                                f"sample {s.index} of rollout {s.rollout.rollout_id} (key {s.key!r}): the "
+                                f"engine shut down without reporting it within {timeout_s:g} s (a backend "
+                                "must report every sample it started once, aborted ones too)"
+                            )
+                        )
                     self._running.clear()

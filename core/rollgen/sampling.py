@@ -71,3 +71,23 @@ def truncate_at_stop(text: str, stop_strings: tuple[str, ...] | list[str]) -> st
     """Cut ``text`` right after the earliest stop string (kept, as in the token output)."""
     ends = [text.find(s) + len(s) for s in stop_strings if s in text]
     return text[: min(ends)] if ends else text
+
+
+def process_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The logits sampled from, per row of [B, V] ``logits`` ([B] settings): divided by the
+    temperature (rows at 0 are left unscaled: greedy takes their argmax), then top-k (the ``k``
+    highest; 0 or -1: off; of tokens tied at the k-th place, the sort's order decides), then top-p over the
+    top-k distribution renormalized: the smallest set of the most likely tokens whose mass
+    reaches ``p``, the token that crosses ``p`` included (the most likely token always stays).
+    Dropped tokens are -inf: ``log_softmax`` of the result gives processed logprobs."""
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device).unsqueeze(0)
+    drop = (top_k > 0).unsqueeze(1) & (ranks >= top_k.unsqueeze(1))
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    drop |= (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
+    filtered = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, order, filtered)

@@ -6,8 +6,11 @@ Options: ``--rollgen-backend`` (required), ``--rollgen-config`` (JSON merged int
 config, e.g. engine parallelism), ``--rollgen-report`` (write a JSON report),
 ``--rollgen-one-engine`` (one engine alive at a time, for layouts that take every device),
 ``--rollgen-allow-unavailable`` (a backend that cannot run here has its tests skipped instead of
-failing the run). The backend's plugin adds engine keys through its ``rollgen_conformance_config``
-hook and lists known failures (strict xfails) through ``rollgen_conformance_known_failures``.
+failing the run), ``--rollgen-test-timeout`` (seconds a test may take, setup and teardown
+included; then it fails naming what it waited for) and ``--rollgen-shutdown-grace`` (seconds an
+engine's ``shutdown`` waits for the streamed samples it aborts). The backend's plugin adds
+engine keys through its ``rollgen_conformance_config`` hook and lists known failures (strict
+xfails) through ``rollgen_conformance_known_failures``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import rollgen
 from rollgen.conformance.base import BackendConformance
 from rollgen.conformance.fixtures import usable_backend
 from rollgen.conformance.pool import FAILED
+from rollgen.conformance.time_limit import limited
 from rollgen.errors import RollgenError
 from rollgen.registry import get_registry
 
@@ -50,6 +54,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="a backend that is not installed, whose engine does not import or whose plugin is "
         "broken has its tests skipped with the reason (exit 0); without it the run fails at once",
+    )
+    group.addoption(
+        "--rollgen-test-timeout",
+        type=float,
+        default=600.0,
+        help="seconds each test may take, setup and teardown included (default 600; 0: no limit); "
+        "a test past it fails, naming the call it waited in and the streamed samples never reported",
+    )
+    group.addoption(
+        "--rollgen-shutdown-grace",
+        type=float,
+        default=None,
+        help="seconds the suite's engines wait at shutdown for the streamed samples they abort "
+        "(default: the core's BaseGeneration.shutdown_grace_s); one not reported by then fails, named",
     )
 
 
@@ -159,16 +177,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    with limited(item, "setup"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    with limited(item, "call"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    with limited(item, "teardown"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
     if report.when == "call" and (report.failed or hasattr(report, "wasxfail")):
         item.stash[FAILED] = True  # the shared engine is remade after it (fixtures.engine)
+    if report.when == "setup":  # in the details of the call's report
+        item.user_properties.append(("area", area(item)))
+    if report.skipped and isinstance(report.longrepr, tuple) and not hasattr(report, "wasxfail"):
+        path, line, reason = report.longrepr
+        lead, _, why = reason.rpartition("Skipped: ")
+        report.longrepr = (path, line, f"{lead}Skipped: {area(item)}: {why}")  # -rs names the area
     return report
+
+
+def area(item: pytest.Item) -> str:
+    """The suite class that defines ``item``'s test (``StreamingTests``, ...)."""
+    function = getattr(item, "function", None)
+    return function.__qualname__.split(".")[0] if function is not None else ""
 
 
 class _JsonReport:
     """Collects each test's outcome and recorded details into ``--rollgen-report``, rewritten
-    after every test so that a run stopped from outside (a time limit) still leaves what ran."""
+    as each test starts and after it, so that a run stopped from outside (a time limit) still
+    leaves what ran and names the test that was running (``running``)."""
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
@@ -176,6 +225,15 @@ class _JsonReport:
         self._header: dict[str, Any] | None = None
         self._setup_s: dict[str, float] = {}
         self._error: str | None = None
+        self._running: str | None = None
+
+    def pytest_runtest_logstart(self, nodeid: str, location: tuple[str, int | None, str]) -> None:
+        self._running = nodeid.split("::", 1)[-1]
+        self._write()
+
+    def pytest_runtest_logfinish(self, nodeid: str, location: tuple[str, int | None, str]) -> None:
+        self._running = None
+        self._write()
 
     def fail(self, reason: str) -> None:
         """The run ends before any test: the report says why."""
@@ -215,7 +273,12 @@ class _JsonReport:
             counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
         if self._header is None:  # versions and device, looked up once per run
             self._header = _backend_header(self.config)
-        report: dict[str, Any] = {"header": self._header, "summary": counts, "tests": self.results}
+        report: dict[str, Any] = {
+            "header": self._header,
+            "summary": counts,
+            "running": self._running,
+            "tests": self.results,
+        }
         if self._error:
             report["error"] = self._error
         Path(path).parent.mkdir(parents=True, exist_ok=True)

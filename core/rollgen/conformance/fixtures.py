@@ -90,7 +90,9 @@ class ConformanceFixtures:
     @classmethod
     def engine_pool(cls, request: pytest.FixtureRequest, base_config: dict[str, Any]) -> Iterator[EnginePool]:
         pool = EnginePool(
-            base_config, one_engine=bool(request.config.getoption("--rollgen-one-engine", False))
+            base_config,
+            one_engine=bool(request.config.getoption("--rollgen-one-engine", False)),
+            shutdown_grace_s=request.config.getoption("--rollgen-shutdown-grace", None),
         )
         yield pool
         pool.close()

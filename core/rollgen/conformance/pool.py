@@ -10,6 +10,7 @@ import torch
 
 import rollgen
 from rollgen.config import deep_merge
+from rollgen.conformance.time_limit import ENGINES
 
 #: Set in a test item's stash when its call failed, or failed as a known failure.
 FAILED = pytest.StashKey[bool]()
@@ -21,8 +22,10 @@ class EnginePool:
     ends). With ``one_engine``, a test's engine first releases every other, so one engine holds
     the devices at a time: for layouts that take all of them (TP=2 or DP=2 on two GPUs)."""
 
-    def __init__(self, base_config: dict[str, Any], one_engine: bool = False) -> None:
-        self.base_config, self.one_engine = base_config, one_engine
+    def __init__(
+        self, base_config: dict[str, Any], one_engine: bool = False, shutdown_grace_s: float | None = None
+    ) -> None:
+        self.base_config, self.one_engine, self.shutdown_grace_s = base_config, one_engine, shutdown_grace_s
         self.greedy_out: dict[str, torch.Tensor] | None = None
         self._shared: Any = None
         self._made: list[Any] = []
@@ -33,15 +36,22 @@ class EnginePool:
         if self._shared is None:
             if self.one_engine:
                 self.end_test()
-            self._shared = rollgen.create_generation(self.base_config)
+            self._shared = self._create(self.base_config)
         return self._shared
 
     def make(self, **overrides: Any) -> Any:
         if self.one_engine:
             self.end_test()
             self.release_shared()
-        engine = rollgen.create_generation(deep_merge(self.base_config, overrides))
+        engine = self._create(deep_merge(self.base_config, overrides))
         self._made.append(engine)
+        return engine
+
+    def _create(self, config: dict[str, Any]) -> Any:
+        engine = rollgen.create_generation(config)
+        if self.shutdown_grace_s is not None:
+            engine.shutdown_grace_s = self.shutdown_grace_s
+        ENGINES.add(engine)
         return engine
 
     def end_test(self) -> None:

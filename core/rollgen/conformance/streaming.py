@@ -9,7 +9,8 @@ untrained weights, which rarely emit EOS, so samples are usually long enough to 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -22,12 +23,14 @@ from rollgen.conformance.checks import (
     skip_unless_declared,
 )
 from rollgen.output import STOP_REASONS, generated_mask
-from rollgen.rollout import Rollout, SampleResult
+from rollgen.rollout import STRAY_REPORT, Rollout, SampleResult
 from rollgen.spec import Capability
 from rollgen.testing.reference import agreement, next_token_logprobs, scored_logprobs
 
 #: Generated tokens per sample in the update tests (the budget of the untrained weights' runs).
 LONG = 40
+#: In the cancel test, samples whose uncut run is this long must have been cut.
+CUT = 100
 
 
 def take_all(rollout: Rollout) -> list[SampleResult]:
@@ -81,19 +84,59 @@ def check_segments(
     gaps = (top - expected)[wrong]
     stats["argmax_near_ties"] = int(wrong.sum())
     assert (gaps < 2 * bound["max_abs"]).all(), (
-        f"{label}: greedy tokens that are not their version's argmax at {wrong.nonzero().tolist()}, "
+        f"{label}: the tokens do not agree with the weights of their version (each token is stamped "
+        f"with the weight version that made it): greedy tokens that are not their version's argmax at "
+        f"{wrong.nonzero().tolist()}, "
         f"behind it by {gaps.tolist()} (a near-tie is below {2 * bound['max_abs']})"
     )
     for key in ("max_abs", "token_mult_prob_error"):
-        assert stats[key] <= bound[key], f"{label}: {key} {stats[key]:.4g} above {bound[key]} ({stats})"
+        assert stats[key] <= bound[key], (
+            f"{label}: the tokens' logprobs do not agree with the weights of their version (each token "
+            f"is stamped with the weight version that made it): {key} {stats[key]:.4g} above {bound[key]} "
+            f"({stats})"
+        )
     cut = sum(len(s) > 1 for s in out["weight_versions"])
     request.node.user_properties += [(f"{label}_{k}", v) for k, v in stats.items()]
     request.node.user_properties.append((f"{label}_cut_mid_sample", cut))
     return out
 
 
+@contextmanager
+def untrained_weights(
+    engine: Any,
+    caps: frozenset[Capability],
+    references: Callable[[str, str], Any],
+    model_dir: str,
+    other: str,
+) -> Iterator[bool]:
+    """The shared engine on the refit target's untrained weights, whose greedy samples mostly run
+    to their budget, and back on its own after (unless samples are still in flight: the test
+    failed, and the next one gets a new engine); yields False (nothing changed) where the backend
+    declares no refit."""
+    if not can_refit(caps):
+        yield False
+        return
+    engine.refit(references(other, "float32"))
+    try:
+        yield True
+    finally:
+        if not engine.samples_in_flight():  # else the test failed, and the engine is remade
+            engine.refit(references(model_dir, "float32"))
+
+
 class StreamingTests:
     """``submit`` on the shared engine, which ends each test on its original weights, idle."""
+
+    @pytest.fixture(autouse=True)
+    def reported_once(self, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+        """After each test: the backend reported no sample that was not running."""
+        yield
+        records = caplog.get_records("setup") + caplog.get_records("call")
+        strays = [r.args[0] for r in records if r.msg == STRAY_REPORT and isinstance(r.args, tuple)]
+        assert not strays, (
+            f"the backend reported samples {strays} that were not running: each started sample must be "
+            "reported once (reported twice?)"
+        )
 
     def gate(self, engine: Any, caps: frozenset[Capability], batch: dict[str, torch.Tensor]) -> None:
         skip_unless_declared(Capability.ASYNC in caps, "async", lambda: engine.submit(batch))
@@ -136,15 +179,29 @@ class StreamingTests:
         request: pytest.FixtureRequest,
         engine: Any,
         caps: frozenset[Capability],
+        references: Callable[[str, str], Any],
+        model_dir: str,
+        other_model_dir: str,
         batch: dict[str, torch.Tensor],
     ) -> None:
+        """Cancelled samples end ``cancelled`` with a prefix of their uncut tokens; the others as
+        ``generate`` gives them. On the untrained weights (where a refit is declared), with the
+        whole context as budget, samples that run on for at least ``CUT`` tokens uncut must be
+        cut by a cancel issued as soon as they were submitted: this holds unless this thread
+        stalls, between ``submit`` and ``cancel``, for as long as the engine takes to decode
+        that many tokens."""
         self.gate(engine, caps, batch)
-        long = long_batch(batch)
-        one, every = engine.submit(long, greedy=True), engine.submit(long, greedy=True)
-        one.cancel(0)
-        every.cancel()
-        results = {"one": take_all(one), "every": take_all(every)}
-        full = engine.generate(long, greedy=True)  # usable, and the uncut samples
+        with untrained_weights(engine, caps, references, model_dir, other_model_dir) as long_runs:
+            size = batch["input_ids"].shape[0]
+            long = {
+                **batch,
+                "max_new_tokens": torch.full((size,), engine.max_model_len if long_runs else LONG),
+            }
+            one, every = engine.submit(long, greedy=True), engine.submit(long, greedy=True)
+            one.cancel(0)
+            every.cancel()
+            results = {"one": take_all(one), "every": take_all(every)}
+            full = engine.generate(long, greedy=True)  # usable, and the uncut samples
         start, lengths = long["input_lengths"].tolist(), full["generation_lengths"].tolist()
         cancelled = 0
         for label, asked in (("one", {0}), ("every", set(range(every.size)))):
@@ -162,6 +219,17 @@ class StreamingTests:
                 else:
                     assert r.token_ids == want, f"{label}: {r} differs from generate's {want}"
         request.node.user_properties.append(("cancelled_samples", cancelled))
+        if long_runs:
+            uncut = {
+                r.index: (r.stop_reason, len(r.token_ids))
+                for r in results["every"]
+                if lengths[r.index] >= CUT and r.stop_reason != "cancelled"
+            }
+            assert not uncut, (
+                f"cancel: samples {sorted(uncut)} of a rollout cancelled as soon as it was submitted ran "
+                f"on to their own ends (stop reason, tokens): {uncut}. _stream_abort must end them now "
+                "(reported aborted=True with the tokens they have)"
+            )
 
     @pytest.mark.parametrize("mode", ["keep", "abort", "wait"])
     def test_update_in_flight(
@@ -206,7 +274,7 @@ class StreamingTests:
                 aborted = [r.index for r in results if r.stop_reason == "aborted"]
                 request.node.user_properties.append(("abort_aborted_samples", len(aborted)))
         finally:
-            if engine.weight_version == running:
+            if engine.weight_version == running and not engine.samples_in_flight():
                 engine.refit(old)
         assert_same_generation(
             request, f"{mode}_then_generate", engine.generate(batch, greedy=True), greedy_out

@@ -1,7 +1,9 @@
-"""``SampleDispatcher``: the driver's side of streamed samples on engines in Ray actors. Samples
-go to the engine with the most free room (``EngineWorker._capacity`` each), wait on the driver
-when every engine is full, and go out as engines free up; a thread polls the engines that have
-samples and hands what ended to the core, and an engine's failure to the generation."""
+"""``SampleDispatcher``: the driver's side of streamed samples on engines in Ray actors. A sample
+goes to the replica its request prefers (``SampleRequest.replica``: one that holds its prefix)
+while that one has room, else to the engine with the most free room (``EngineWorker._capacity``
+each); samples wait on the driver when every engine is full, and go out as engines free up; a
+thread polls the engines that have samples and hands what ended to the core (each stamped with
+the replica it ran on), and an engine's failure to the generation."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import ray
 
 from rollgen.distributed.worker_groups import RayWorkerGroup
 from rollgen.errors import RollgenError, WorkerError
-from rollgen.rollout import FinishedSample, SampleRequest
+from rollgen.rollout import FinishedSample, ReplicaLoad, SampleRequest
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,7 @@ class SampleDispatcher:
         self._queue: deque[SampleRequest] = deque()
         self._where: dict[str, int] = {}
         self._load = [0] * len(capacity)
+        self._started = [0] * len(capacity)
         self._polls: dict[Any, int] = {}
         self._calls: dict[Any, int] = {}
         self._thread: threading.Thread | None = None
@@ -79,6 +82,22 @@ class SampleDispatcher:
         if waiting:
             self.deliver([FinishedSample(r.key, (), (), aborted=True, started=False) for r in waiting])
 
+    def load(self) -> list[ReplicaLoad]:
+        """Each engine's samples now, in one consistent snapshot."""
+        with self._lock:
+            return [
+                ReplicaLoad(i, running, capacity, started)
+                for i, (running, capacity, started) in enumerate(
+                    zip(self._load, self.capacity, self._started)
+                )
+            ]
+
+    def takes_samples(self, engine: int) -> bool:
+        """Whether ``engine`` may be given samples: not one that failed (capacity 0). The one
+        place to refuse a replica that is not healthy (starting, stale, dead) once replicas have
+        states of their own."""
+        return self.capacity[engine] > 0
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -90,13 +109,17 @@ class SampleDispatcher:
         """Hand waiting samples to the engines with room (under the lock)."""
         batches: dict[int, list[SampleRequest]] = defaultdict(list)
         while self._queue:
-            room = [c - n for c, n in zip(self.capacity, self._load)]
-            engine = max(range(len(room)), key=room.__getitem__)
-            if room[engine] <= 0:
+            room = [
+                c - n if self.takes_samples(i) else 0
+                for i, (c, n) in enumerate(zip(self.capacity, self._load))
+            ]
+            engine = place(self._queue[0].replica, room)
+            if engine is None:
                 break
             request = self._queue.popleft()
             batches[engine].append(request)
             self._load[engine] += 1
+            self._started[engine] += 1
             self._where[request.key] = engine
             self._requests[request.key] = request
         for i, requests in batches.items():
@@ -130,7 +153,9 @@ class SampleDispatcher:
         name = self.group.names[engine]
         try:
             result = self.group.get([ref], names=[name])[0]
-            ended: list[FinishedSample] = result if polled else []
+            ended: list[FinishedSample] = (
+                [dataclasses.replace(f, replica=engine) for f in result] if polled else []
+            )
         except RollgenError as exc:  # a death the fleet takes re-runs its samples elsewhere
             if not (isinstance(exc, WorkerError) and exc.died and self.died(engine, exc)):
                 self._failed(engine, name, exc)
@@ -164,12 +189,6 @@ class SampleDispatcher:
             self.deliver(ended)
 
     # ---- a replaced engine (rollgen.distributed.fleet) -------------------------------------------
-    @property
-    def load(self) -> list[int]:
-        """Each engine's streamed samples."""
-        with self._lock:
-            return list(self._load)
-
     def take_out(self, engine: int) -> None:
         """Engine ``engine`` is out of service: its samples go back to the head of the queue
         (from their start, with the same settings and seed), for the other engines."""
@@ -198,3 +217,12 @@ class SampleDispatcher:
             self.capacity[engine] = capacity
             self._send()
             self._lock.notify_all()
+
+
+def place(preferred: int | None, room: list[int]) -> int | None:
+    """The engine a sample goes to: ``preferred`` while it has room, else the one with the most
+    room (the first of equals); None while none has room."""
+    if preferred is not None and 0 <= preferred < len(room) and room[preferred] > 0:
+        return preferred
+    engine = max(range(len(room)), key=room.__getitem__)
+    return engine if room[engine] > 0 else None

@@ -127,7 +127,7 @@ class Fleet:
 
     def status(self) -> list[ReplicaStatus]:
         names = self.gen.group.names
-        load = self.gen._dispatcher.load
+        load = [r.running for r in self.gen._dispatcher.load()]
         return [
             ReplicaStatus(i, names[i], r.state, r.version, r.in_flight + load[i], r.restarts, r.last_error)
             for i, r in enumerate(self.replicas)

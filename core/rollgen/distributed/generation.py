@@ -28,7 +28,7 @@ from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, 
 from rollgen.errors import ConfigError, WorkerError
 from rollgen.refit import WeightBucket, dtype_name
 from rollgen.refit.bucket import named_tensors
-from rollgen.rollout import SampleRequest, UpdateMode
+from rollgen.rollout import ReplicaLoad, SampleRequest, UpdateMode
 
 logger = logging.getLogger(__name__)
 
@@ -326,6 +326,9 @@ class RayGeneration(BaseGeneration):
 
     def _stream_abort(self, keys: list[str]) -> None:
         self._dispatcher.abort(keys)
+
+    def replica_load(self) -> list[ReplicaLoad]:
+        return self._dispatcher.load()
 
     def _apply_bucket(self, bucket: WeightBucket) -> None:
         self.updates.link.apply_bucket(bucket, reset_prefix=False)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
@@ -82,8 +83,10 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
             "weight_version": served.gen.weight_version,
             "usable": served.gen.usable,
             "requests_running": state.running,
+            "requests_waiting": served.waiting,
             "sessions": len(state.sessions),
             "closing": state.closing,
+            "replicas": [dataclasses.asdict(r) for r in served.gen.replica_load()],
         }
 
     @app.post("/v1/rollgen/cancel", dependencies=guarded)

@@ -5,13 +5,15 @@ in flight as its ``mode`` says (``wait``, ``abort``, ``keep``)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rollgen.errors import UnsupportedCapability
+from rollgen.errors import EngineAsleep, StaleWeights, UnsupportedCapability
 from rollgen.interface import GenerationInterface
 from rollgen.rollout import Rollout
 from rollgen.serving.errors import HttpError
@@ -37,6 +39,10 @@ class ServedGeneration:
 
             tokenizer = AutoTokenizer.from_pretrained(gen.cfg["model_name"])
         self.tokenizer = tokenizer
+        #: Requests waiting for the generation to wake or be refitted; the thread that waits.
+        self.waiting = 0
+        self._ready: asyncio.Future[bool] | None = None
+        self._closing = False
 
     @property
     def chat_template(self) -> str | None:
@@ -90,23 +96,81 @@ class ServedGeneration:
             batch["stop_strings"] = [req.stop_strings()] * n
         return batch
 
-    async def submit(self, batch: dict[str, Any]) -> Rollout:
+    async def submit(self, batch: dict[str, Any], replica: int | None = None) -> Rollout:
         """``gen.submit(batch)`` off the event loop. It waits while the trainer holds the
-        generation (a refit, a wake) up to ``submit_timeout_s``, then a 503 (a rollout
-        that starts after that is cancelled at once) with ``Retry-After``."""
+        generation (a refit, a wake), has put it to sleep (``finish_generation``) or left its
+        weights stale (a refit failed part-way), up to ``submit_timeout_s`` in all, then a 503
+        with ``Retry-After`` (a rollout that starts after that is cancelled at once).
+        ``replica``: the one to prefer (a session's last), as ``gen.submit`` takes it."""
         loop = asyncio.get_running_loop()
-        started = loop.run_in_executor(None, self.gen.submit, batch)
+        deadline = loop.time() + self.submit_timeout_s
+        while True:
+            started = loop.run_in_executor(None, functools.partial(self.gen.submit, batch, replica=replica))
+            try:
+                return await asyncio.wait_for(asyncio.shield(started), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                started.add_done_callback(_cancel_late)
+                raise self._late("the generation was busy (the trainer's refit or wake)") from None
+            except (EngineAsleep, StaleWeights) as exc:
+                if not await self._wait_ready(deadline):
+                    raise self._late(str(exc), type(exc).__name__) from None
+
+    async def _wait_ready(self, deadline: float) -> bool:
+        """Whether the generation became ready (or can never be: the next submit says why)
+        before ``deadline`` (the loop's clock). One thread waits in ``gen.wait_ready`` for
+        every request that waits."""
+        loop = asyncio.get_running_loop()
+        self.waiting += 1
         try:
-            return await asyncio.wait_for(asyncio.shield(started), self.submit_timeout_s)
-        except asyncio.TimeoutError:
-            started.add_done_callback(_cancel_late)
-            raise HttpError(
-                503,
-                f"the generation was busy (the trainer's refit or wake) for {self.submit_timeout_s:g} s "
-                "(submit_timeout_s)",
-                "generation_busy",
-                retry=True,
-            ) from None
+            while (left := deadline - loop.time()) > 0:
+                if self._ready is None or self._ready.done():
+                    self._ready = _watch_ready(self.gen, loop, self.submit_timeout_s)
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._ready), left)
+                except asyncio.TimeoutError:
+                    return False
+                if self._closing:
+                    raise HttpError(503, "the server is shutting down", "server_shutting_down", retry=True)
+                if self._ready.result() or not self.gen.usable:
+                    return True
+            return False
+        finally:
+            self.waiting -= 1
+
+    def close(self) -> None:
+        """The server stops (call in its event loop): requests waiting for the generation get
+        503 now rather than at their timeout."""
+        self._closing = True
+        if self._ready is not None:
+            _settle(self._ready, False)
+
+    def _late(self, why: str, code: str = "generation_busy") -> HttpError:
+        return HttpError(
+            503, f"{why}; waited {self.submit_timeout_s:g} s (submit_timeout_s)", code, retry=True
+        )
+
+
+def _watch_ready(
+    gen: GenerationInterface, loop: asyncio.AbstractEventLoop, timeout_s: float
+) -> asyncio.Future[bool]:
+    """A future of ``gen.wait_ready(timeout_s)``, waited for in a daemon thread (one the
+    server's shutdown need not wait for)."""
+    future: asyncio.Future[bool] = loop.create_future()
+
+    def wait() -> None:
+        ready = gen.wait_ready(timeout_s)
+        try:
+            loop.call_soon_threadsafe(_settle, future, ready)
+        except RuntimeError:  # the server stopped meanwhile: nobody waits
+            logger.debug("the server stopped while requests waited for the generation")
+
+    threading.Thread(target=wait, name="rollgen-serve-ready", daemon=True).start()
+    return future
+
+
+def _settle(future: asyncio.Future[bool], ready: bool) -> None:
+    if not future.done():
+        future.set_result(ready)
 
 
 def _cancel_late(started: asyncio.Future[Rollout]) -> None:

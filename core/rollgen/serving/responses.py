@@ -41,6 +41,7 @@ def extension(served: ServedGeneration, prompt: Sequence[int], result: SampleRes
         "logprobs": list(result.logprobs),
         "logprobs_mode": served.logprobs_mode,
         "versions": version_spans(versions),
+        "replica": result.replica,
     }
 
 

@@ -3,6 +3,7 @@ beside the generation object the trainer keeps calling (``refit``, ``finish_gene
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import secrets
@@ -73,6 +74,7 @@ class Server:
         self._uvicorn: Any = None
         self._ready = threading.Event()
         self._failure: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def model_id(self) -> str:
@@ -106,12 +108,16 @@ class Server:
 
         @asynccontextmanager
         async def lifespan(app: Any) -> AsyncIterator[None]:
+            self._loop = asyncio.get_running_loop()
             self._ready.set()
             yield
             self.state.closing = True
 
         app = build_app(self.state, self.api_key, lifespan)
         config = uvicorn.Config(app, log_level=self.log_level, lifespan="on", timeout_graceful_shutdown=30)
+        # listening now: uvicorn runs the lifespan's startup (which says ready) before it listens,
+        # and a client that connects as soon as start() returns would be refused
+        sock.listen(config.backlog)
         self._uvicorn = uvicorn.Server(config)
 
         def run() -> None:
@@ -135,6 +141,11 @@ class Server:
         """Refuse new requests (503), let those in flight end, stop listening. Idempotent; the
         generation stays the caller's."""
         self.state.closing = True
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self.state.served.close)
+            except RuntimeError:  # the loop closed meanwhile: nothing waits in it
+                logger.debug("the server's loop closed before stop")
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
         if self._thread is not None:

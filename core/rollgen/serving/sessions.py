@@ -37,6 +37,9 @@ class Session:
     broken: str | None = None
     #: ``chat`` or ``completion``, set by the first turn (a session is one or the other).
     kind: str | None = None
+    #: The data-parallel replica that served the last turn (it holds the prefix in its cache):
+    #: the next turn prefers it.
+    replica: int | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def add_environment(self, ids: Sequence[int]) -> None:
@@ -50,6 +53,7 @@ class Session:
         self.logprobs.extend(result.logprobs)
         self.versions.extend(result.version_at(i) for i in range(len(result.token_ids)))
         self.generated.extend([True] * len(result.token_ids))
+        self.replica = result.replica if result.replica is not None else self.replica
 
     def check_kind(self, kind: str) -> None:
         if self.kind not in (None, kind):

@@ -26,7 +26,7 @@ class Limits:
     max_body_bytes: int = 16 * 2**20
     #: Sessions kept; past it, a new session gets 429.
     max_sessions: int = 10_000
-    #: How long a request waits for the generation (a refit, a sleep) before 503.
+    #: How long a request waits for the generation (a refit, a wake, a sleep) before 503.
     submit_timeout_s: float = 60.0
     #: The ``Retry-After`` a 503 says.
     retry_after_s: int = 1
@@ -88,7 +88,9 @@ class Turn:
         rid = self.req.request_id
         if rid is not None and rid in self.state.requests:
             raise HttpError(400, f"request_id {rid!r} is in flight already")
-        self.rollout = await self.state.served.submit(self.state.served.batch(self.prompt, self.req))
+        batch = self.state.served.batch(self.prompt, self.req)
+        replica = self.session.replica if self.session is not None else None
+        self.rollout = await self.state.served.submit(batch, replica)
         if rid is not None:
             self.state.requests[rid] = self.rollout
 

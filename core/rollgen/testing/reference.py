@@ -93,3 +93,33 @@ def versioned_logprob_error(
                     raise ValueError(f"position {i} is in a version span but has no logprob")
                 worst = max(worst, abs(float(ref[i]) - engine))
     return worst
+
+
+def processed_logprobs(
+    logp: torch.Tensor, top_k: int, top_p: float, margin: float = 1e-4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's processed distribution, written apart from the engines' (in float64):
+    ``logp`` [..., V] the tempered log-softmax (``next_token_logprobs(..., temperature)``), then
+    top-k (the ``top_k`` most likely; -1: off), then top-p over the top-k distribution
+    renormalized (the smallest set of the most likely tokens whose mass reaches ``top_p``, the
+    crossing token included), renormalized: log-probs, -inf where dropped. Also a mask of the rows
+    whose outcome rounding could change: a top-k cut between logprobs within ``margin``, or a
+    top-p threshold within ``margin`` of a set's mass."""
+    logp = logp.double()
+    vocab = logp.shape[-1]
+    ordered, order = logp.sort(dim=-1, descending=True)
+    keep = torch.ones_like(ordered, dtype=torch.bool)
+    near = torch.zeros(logp.shape[:-1], dtype=torch.bool)
+    if 0 < top_k < vocab:
+        keep[..., top_k:] = False
+        near |= (ordered[..., top_k - 1] - ordered[..., top_k]).abs() < margin
+    probs = ordered.exp() * keep
+    probs = probs / probs.sum(-1, keepdim=True)
+    before = probs.cumsum(-1) - probs  # mass of the tokens ahead of each
+    if top_p < 1.0:
+        keep &= before < top_p
+        keep[..., 0] = True
+        near |= ((before - top_p).abs() < margin).any(-1)
+    kept = ordered.masked_fill(~keep, float("-inf"))
+    kept = kept - kept.logsumexp(-1, keepdim=True)
+    return torch.empty_like(kept).scatter_(-1, order, kept), near

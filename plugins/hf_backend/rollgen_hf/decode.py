@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rollgen.sampling import SampleParams
+from rollgen.sampling import SampleParams, process_logits
 
 
 @dataclass
@@ -26,21 +26,6 @@ def to_left_padded(ids: torch.Tensor, lengths: torch.Tensor, pad: int) -> tuple[
     mask = src >= 0
     left = torch.where(mask, ids[:, :width].gather(1, src.clamp(min=0)), torch.full_like(src, pad))
     return left, mask.long()
-
-
-def process_logits(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Temperature, top-k and top-p per row (temperature 0 rows are left unscaled)."""
-    scaled = logits / torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(scaled.shape[-1], device=scaled.device).unsqueeze(0)
-    drop = (top_k > 0).unsqueeze(1) & (ranks >= top_k.unsqueeze(1))
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    drop |= (probs.cumsum(-1) - probs) >= top_p.unsqueeze(1)
-    filtered = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(scaled).scatter_(-1, order, filtered)
 
 
 def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -112,6 +97,10 @@ class Decoder:
         n = int(self.lengths[i])
         return self.tokens[i, :n].tolist(), self.logprobs[i, :n].tolist()
 
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits each row samples from (``rollgen.sampling.process_logits``)."""
+        return process_logits(logits, self.temperature, self.top_k, self.top_p)
+
     def run(self) -> Decoded:
         """Decode every row to its end."""
         while not self.finished:
@@ -123,7 +112,7 @@ class Decoder:
         """Choose one token for every running row; returns the rows that ended with it."""
         logits, step, batch, device = self.logits, self.step_index, self.batch, self.device
         raw = logits.log_softmax(-1)
-        processed = process_logits(logits, self.temperature, self.top_k, self.top_p).log_softmax(-1)
+        processed = self.process(logits).log_softmax(-1)
         uniforms = torch.rand(batch, generator=self.generator)
         for i, g in self.row_gens.items():
             uniforms[i] = torch.rand(1, generator=g)[0]

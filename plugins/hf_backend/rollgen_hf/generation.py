@@ -6,7 +6,7 @@ import gc
 import logging
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -28,6 +28,8 @@ class HfGeneration(BaseGeneration):
     unprocessed logits) unless ``logprobs_mode="processed"``."""
 
     local_transport = "tensors"
+    #: The batched decoder each generate and each submitted request list runs in.
+    decoder_cls: ClassVar[type[Decoder]] = Decoder
 
     def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
         super().__init__(config, cluster=cluster, backend=backend)
@@ -105,7 +107,7 @@ class HfGeneration(BaseGeneration):
     def _decoder(
         self, input_ids: torch.Tensor, input_lengths: torch.Tensor, params: list[SampleParams]
     ) -> Decoder:
-        return Decoder(
+        return self.decoder_cls(
             self.model,
             input_ids,
             input_lengths,

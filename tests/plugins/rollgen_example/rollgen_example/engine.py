@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from rollgen import BaseGeneration, BatchedDataDict, WeightBucket
 from rollgen.output import assemble_from_lists
 from rollgen.refit import load_into_module
+from rollgen.sampling import process_logits
 
 
 class ExampleGeneration(BaseGeneration):
@@ -37,8 +38,9 @@ class ExampleGeneration(BaseGeneration):
                 logits = self.model(input_ids=torch.tensor([seq + tokens])).logits[0, -1].float()
                 if p.greedy:
                     token = int(logits.argmax())
-                else:
-                    probs = (logits / p.temperature).softmax(-1)
+                else:  # temperature, then top-k, then top-p (rollgen.sampling.process_logits)
+                    settings = (torch.tensor([x]) for x in (p.temperature, p.top_k, p.top_p))
+                    probs = process_logits(logits[None], *settings)[0].softmax(-1)
                     token = int(torch.multinomial(probs, 1, generator=rng))
                 tokens.append(token)
                 lps.append(float(logits.log_softmax(-1)[token]))  # raw: temperature 1
