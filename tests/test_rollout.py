@@ -728,7 +728,7 @@ class PlainGeneration(BaseGeneration):
         self.applied = 0
         self.fail_apply = False
 
-    def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
+    def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
         eos = self.model_info.eos_token_ids[0]
         return assemble_from_lists(
             batch["input_ids"],

@@ -108,8 +108,6 @@ class BaseGeneration(ABC):
         self._lock = threading.RLock()
         #: Notified after every call that may change ``ready`` (``wait_ready`` waits on it).
         self._readiness = threading.Condition()
-        #: The batch of the generate in progress, and its samples' settings.
-        self._params: tuple[Mapping[str, Any], bool, list[SampleParams]] | None = None
         #: Samples streamed by ``submit``, and the weight version.
         self._streams = Streams(
             self._stream_start, self._stream_abort, self._stream_stop_reason, self._nonfinite_logprobs
@@ -236,11 +234,7 @@ class BaseGeneration(ABC):
         if batch.size == 0:
             return empty_output(batch["input_ids"].shape[1])
         self.updates.prefixes_cached = True  # before the call: a failed generate may have cached some
-        self._params = (batch, greedy, params)
-        try:
-            out = self._generate(batch, greedy)
-        finally:
-            self._params = None
+        out = self._generate(batch, params)
         finite = finish_output(
             out,
             batch,
@@ -362,15 +356,14 @@ class BaseGeneration(ABC):
         raise UnsupportedCapability(self.name, Capability.ASYNC.value, "streamed rollouts")
 
     def sample_params(self, batch: Mapping[str, Any], greedy: bool) -> list[SampleParams]:
-        """Per-sample settings for a validated batch (used by backends inside ``_generate``; the
-        core has made them for the batch in hand already)."""
-        if self._params is not None and self._params[0] is batch and self._params[1] == greedy:
-            return self._params[2]
+        """Per-sample settings for a validated batch, as ``generate`` resolves them (the config's,
+        the batch's per-sample values, the context's limit on each budget)."""
         return resolve_sampling(self.cfg, batch, greedy, self.max_model_len, self.model_info.eos_token_ids)
 
     @abstractmethod
-    def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
-        """Generate for a validated, non-empty batch; return GenerationOutputSpec."""
+    def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
+        """Generate for a validated, non-empty batch, each sample by its settings ``params``;
+        return GenerationOutputSpec."""
 
     @property
     def tokenizer(self) -> Any:

@@ -19,8 +19,8 @@ from rollgen_hf.generation import HfGeneration
 class LogprobsSlightlyOff(ExampleGeneration):
     """Breaks the logprob bounds: every generated token's logprob 1e-3 low."""
 
-    def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
-        out = super()._generate(batch, greedy)
+    def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
+        out = super()._generate(batch, params)
         out["logprobs"] = torch.where(out["logprobs"] != 0, out["logprobs"] - 1e-3, 0.0)
         return out
 
@@ -28,8 +28,8 @@ class LogprobsSlightlyOff(ExampleGeneration):
 class LogprobsFloat64(ExampleGeneration):
     """Breaks the output's dtypes: logprobs in float64."""
 
-    def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
-        out = super()._generate(batch, greedy)
+    def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
+        out = super()._generate(batch, params)
         out["logprobs"] = out["logprobs"].double()
         return out
 
@@ -37,8 +37,8 @@ class LogprobsFloat64(ExampleGeneration):
 class StopTokenNotKept(ExampleGeneration):
     """Breaks "a stop token id ends the sample and is kept": the config's stop id is left out."""
 
-    def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
-        out = super()._generate(batch, greedy)
+    def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
+        out = super()._generate(batch, params)
         stop = set(self.cfg.get("stop_token_ids") or ())
         for i in range(batch.size):
             end = int(out["unpadded_sequence_lengths"][i])
@@ -56,12 +56,13 @@ class OnlyTokenizerEos(ExampleGeneration):
     """Breaks "end a sample at ``p.stop_token_ids``": stops at the tokenizer's EOS alone (not
     the config's stop ids, nor the model's generation-config EOS ids)."""
 
-    def sample_params(self, batch: Mapping[str, Any], greedy: bool) -> list[SampleParams]:
+    def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
         eos = (self.tokenizer.eos_token_id,)
-        return [
+        only_eos = [
             SampleParams(p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.stop_strings, eos, p.seed)
-            for p in super().sample_params(batch, greedy)
+            for p in params
         ]
+        return super()._generate(batch, only_eos)
 
 
 class RefitIgnored(ExampleGeneration):

@@ -13,6 +13,7 @@ import torch
 from rollgen.data import BatchedDataDict
 from rollgen.refit import WeightBucket, load_into_module
 from rollgen.rollout import FinishedSample, SampleRequest
+from rollgen.sampling import SampleParams
 from rollgen_hf.decode import Decoder
 from rollgen_hf.generation import HfGeneration
 
@@ -102,9 +103,9 @@ class WeightsLoadAfterPrefill(HfGeneration):
         while self._pending:
             load_into_module(self.model, self._pending.pop(0))
 
-    def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
+    def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
         self._load_pending()
-        return super()._generate(batch, greedy)
+        return super()._generate(batch, params)
 
     def _cohort(self, requests: list[SampleRequest]) -> Decoder:
         decoder = super()._cohort(requests)

@@ -29,6 +29,7 @@ from rollgen.errors import ConfigError, WorkerError
 from rollgen.refit import WeightBucket, dtype_name
 from rollgen.refit.bucket import named_tensors
 from rollgen.rollout import ReplicaLoad, SampleRequest, UpdateMode
+from rollgen.sampling import SampleParams
 
 logger = logging.getLogger(__name__)
 
@@ -223,11 +224,11 @@ class RayGeneration(BaseGeneration):
     def releases_memory_on_sleep(self) -> bool:
         return self.plan.spec.sleep_enabled
 
-    def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
+    def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
         if self.fleet.replaces:
-            results = self.fleet.generate(batch, self.sample_params(batch, greedy))
+            results = self.fleet.generate(batch, params)
         else:
-            requests = GenerateRequest.shards(batch, self.sample_params(batch, greedy), self.dp_size)
+            requests = GenerateRequest.shards(batch, params, self.dp_size)
             results = self.group.call_sharded(EngineWorker.generate, requests)
         return BatchedDataDict.from_batches(results, pad_value_dict={"output_ids": self.cfg["pad_token_id"]})
 

@@ -75,8 +75,7 @@ class HfGeneration(BaseGeneration):
     def engine_devices(self) -> tuple[str, ...]:
         return (device_uuid(self.device),) if self.device.type == "cuda" else ()
 
-    def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
-        params = self.sample_params(batch, greedy)
+    def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
         decoded = self._decoder(batch["input_ids"], batch["input_lengths"], params).run()
         return assemble_output(
             batch["input_ids"],

@@ -116,8 +116,7 @@ class RemoteGeneration(BaseGeneration):
         cut = next((i + 1 for i, t in enumerate(tokens) if t in params.stop_token_ids), len(tokens))
         return {"tokens": tokens[:cut], "logprobs": logprobs[:cut], "stop_reason": fields["stop_reason"]}
 
-    def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
-        params = self.sample_params(batch, greedy)
+    def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
         prompts = [ids[:n].tolist() for ids, n in zip(batch["input_ids"], batch["input_lengths"].tolist())]
         samples = list(self._pool.map(self._sample, prompts, params))
         return assemble_from_lists(

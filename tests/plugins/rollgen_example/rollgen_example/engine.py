@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from rollgen import BaseGeneration, BatchedDataDict, WeightBucket
 from rollgen.output import assemble_from_lists
 from rollgen.refit import load_into_module
-from rollgen.sampling import process_logits
+from rollgen.sampling import SampleParams, process_logits
 
 
 class ExampleGeneration(BaseGeneration):
@@ -25,9 +25,8 @@ class ExampleGeneration(BaseGeneration):
         ).eval()
 
     @torch.no_grad()
-    def _generate(self, batch: BatchedDataDict[Any], greedy: bool) -> BatchedDataDict[Any]:
+    def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
         rows, logprobs = [], []
-        params = self.sample_params(batch, greedy)
         for ids, n, p in zip(batch["input_ids"], batch["input_lengths"].tolist(), params):
             seq: list[int] = ids[:n].tolist()
             tokens: list[int] = []
