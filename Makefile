@@ -43,6 +43,9 @@ test-conformance:
 	  --rollgen-config='{"vllm_cfg": {"data_parallel_size": 2}}'
 	$(CONFORMANCE) --rollgen-backend=vllm --rollgen-report=out/conformance-vllm-tp2.json $(LAYOUT_ONLY) \
 	  --rollgen-config='{"vllm_cfg": {"tensor_parallel_size": 2}}'
+	# DP=2 with engine_failures "replace": the contract holds with a fleet that replaces dead replicas.
+	$(CONFORMANCE) --rollgen-backend=vllm --rollgen-report=out/conformance-vllm-dp2-replace.json $(LAYOUT_ONLY) \
+	  --rollgen-config='{"vllm_cfg": {"data_parallel_size": 2, "engine_failures": "replace"}}'
 
 # On a GPU machine (see docs/gpu-results.md for the exact commands used there).
 test-gpu:
