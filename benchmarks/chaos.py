@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
-import signal
 import statistics
 import time
 from typing import Any, cast
@@ -29,26 +27,10 @@ import torch
 import rollgen
 from benchmarks.common import print_table, write_results
 from rollgen.distributed import RayGeneration
-from rollgen.distributed.worker import running
 from rollgen.testing.config import tiny_config
+from rollgen.testing.faults import kill_replica
 from rollgen.testing.prompts import PROMPTS, encode
-from rollgen.testing.reference import load_reference_model
-
-
-def perturbed(model_dir: str, seed: int) -> torch.nn.Module:
-    policy = load_reference_model(model_dir)
-    noise = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn(p.shape, generator=noise) * 0.2)
-    return policy
-
-
-def kill(gen: Any, index: int) -> None:
-    pid = gen.engine_info[index]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    while running(pid):
-        time.sleep(0.01)
+from rollgen.testing.reference import perturbed_model
 
 
 def streamed_ok(
@@ -57,7 +39,7 @@ def streamed_ok(
     """Two streamed copies of ``batch``, ``victim`` killed between them: every sample once, with
     the fault-free tokens, under the current version."""
     first = gen.submit(batch, greedy=True)
-    kill(gen, victim)
+    kill_replica(gen, victim)
     second = gen.submit(batch, greedy=True)
     results = first.wait() + second.wait()
     size = batch["input_ids"].shape[0]
@@ -82,7 +64,7 @@ def chaos(kills: int, seed: int) -> dict[str, Any]:
         from transformers import AutoTokenizer
 
         batch = encode(AutoTokenizer.from_pretrained(cfg["model_name"]), PROMPTS * 2)
-        weights = [perturbed(cfg["model_name"], 1), perturbed(cfg["model_name"], 2)]
+        weights = [perturbed_model(cfg["model_name"], 1), perturbed_model(cfg["model_name"], 2)]
         clean = []
         for w in weights:  # the fault-free outputs of each
             gen.refit(w)
@@ -95,7 +77,7 @@ def chaos(kills: int, seed: int) -> dict[str, Any]:
             if round_ % 3 == 2:
                 differing += not streamed_ok(gen, batch, clean[which], victim)
             else:
-                kill(gen, victim)
+                kill_replica(gen, victim)
                 out = gen.generate(batch, greedy=True)
                 differing += not torch.equal(out["output_ids"], clean[which]["output_ids"])
             start = time.perf_counter()

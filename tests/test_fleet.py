@@ -4,17 +4,16 @@ on CPU the engine core runs in the actor's process) is replaced, what it held is
 survivor, and the replacement serves only once it holds the current weights."""
 
 import importlib.util
-import os
-import signal
 
 import pytest
 import torch
 
 import rollgen
 from rollgen.distributed.fleet import RetainedWeights
-from rollgen.distributed.worker import running
 from rollgen.testing import load_reference_model
+from rollgen.testing.faults import kill_replica
 from rollgen.testing.prompts import PROMPTS, encode
+from rollgen.testing.reference import perturbed_model
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
@@ -43,14 +42,6 @@ def fleet(hf_config: dict):
         yield gen
 
 
-def kill(gen, index: int) -> None:
-    """SIGKILL replica ``index``'s engine process and wait until it is gone."""
-    pid = gen.engine_info[index]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    while running(pid):
-        os.sched_yield()
-
-
 def restored(gen, index: int, restarts: int) -> None:
     status = gen.restore_replicas(timeout_s=START_S)[index]
     assert status.state == "healthy", status
@@ -58,21 +49,12 @@ def restored(gen, index: int, restarts: int) -> None:
     assert gen.usable and gen.group.live == [0, 1]
 
 
-def perturbed(model_dir: str, seed: int) -> torch.nn.Module:
-    policy = load_reference_model(model_dir)
-    noise = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn(p.shape, generator=noise) * 0.2)
-    return policy
-
-
 def test_a_replica_killed_before_generate_is_re_run_on_the_survivor_and_replaced(fleet, batch: dict) -> None:
     clean = fleet.generate(batch, greedy=True)
     seeded = {**batch, "seed": torch.arange(batch["input_ids"].shape[0]) + 100}
     clean_seeded = fleet.generate(seeded)
     assert [r.state for r in fleet.replicas] == ["healthy", "healthy"]
-    kill(fleet, 1)
+    kill_replica(fleet, 1)
     # the call that meets the death re-runs the dead replica's shard with its samples' seeds
     assert torch.equal(fleet.generate(seeded)["output_ids"], clean_seeded["output_ids"])
     out = fleet.generate(batch, greedy=True)  # on the survivor alone
@@ -93,8 +75,8 @@ def test_refits_while_the_replacement_starts_bring_it_to_the_latest_version(
     packed as a trainer in another process packs them): the replacement serves the second
     update's weights (not its start-up ones, not the first update's)."""
     start = fleet.generate(batch, greedy=True)["output_ids"]
-    kill(fleet, 0)
-    a, b = perturbed(model_dir, 1), perturbed(model_dir, 2)
+    kill_replica(fleet, 0)
+    a, b = perturbed_model(model_dir, 1), perturbed_model(model_dir, 2)
     try:
         fleet.refit(a)  # meets the death (the replica's refit channel closed): run again on the other
         assert fleet.updates.stale is None and fleet.usable
@@ -120,7 +102,7 @@ def test_streamed_samples_of_a_killed_replica_are_reported_once(fleet, batch: di
     clean = fleet.generate(batch, greedy=True)
     size = batch["input_ids"].shape[0]
     first = fleet.submit(batch, greedy=True)
-    kill(fleet, 0)
+    kill_replica(fleet, 0)
     second = fleet.submit(batch, greedy=True)  # some of its samples go to the dead replica
     results = first.wait() + second.wait()
     assert sorted(r.index for r in results) == sorted(list(range(size)) * 2)
@@ -156,14 +138,14 @@ def test_a_replica_past_its_restart_limit_stays_out_and_losing_all_ends_the_gene
     alone; once it dies too, the generation ends as with ``engine_failures: "fail"``."""
     clean = fleet.generate(batch, greedy=True)
     fleet.fleet.max_restarts = fleet.replicas[0].restarts
-    kill(fleet, 0)
+    kill_replica(fleet, 0)
     with caplog.at_level("INFO", logger="rollgen.distributed.fleet"):
         assert torch.equal(fleet.generate(batch, greedy=True)["output_ids"], clean["output_ids"])
     status = fleet.restore_replicas(timeout_s=0)[0]
     assert status.state == "dead" and "stays out" in status.last_error, status
     assert fleet.group.live == [1] and fleet.usable
     assert any("rollgen-vllm-dp0 healthy -> dead" in r.getMessage() for r in caplog.records)
-    kill(fleet, 1)
+    kill_replica(fleet, 1)
     with pytest.raises(rollgen.WorkerError, match="rollgen-vllm-dp1") as info:
         fleet.generate(batch, greedy=True)
     assert info.value.died and not fleet.usable

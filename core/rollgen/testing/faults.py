@@ -1,7 +1,10 @@
-"""Stand-ins for faults no real tensor produces on demand, for the conformance suite and the
-tests: ``Unreadable``, a tensor whose bytes cannot be read once an update is under way (its
-name, shape and dtype pass every check before it; copying it fails)."""
+"""Faults for the conformance suite, the tests and the benchmarks: ``Unreadable``, a stand-in
+tensor whose bytes cannot be read once an update is under way (its name, shape and dtype pass
+every check before it; copying it fails); ``kill_replica``, a real engine's death."""
 
+import os
+import signal
+import time
 from typing import Any
 
 import torch
@@ -15,3 +18,14 @@ class Unreadable(torch.Tensor):
         if func in (torch.Tensor.copy_, torch._foreach_copy_):
             raise RuntimeError("injected fault: this tensor cannot be read")
         return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def kill_replica(gen: Any, index: int) -> None:
+    """SIGKILL data-parallel replica ``index``'s engine process (a ``RayGeneration``'s) and wait
+    until it is gone: the engine death a fleet must survive."""
+    from rollgen.distributed.worker import running
+
+    pid = gen.engine_info[index]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    while running(pid):
+        time.sleep(0.01)

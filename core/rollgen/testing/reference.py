@@ -15,6 +15,17 @@ def load_reference_model(model_dir: str, dtype: torch.dtype = torch.float32) -> 
 
 
 @torch.no_grad()
+def perturbed_model(model_dir: str, seed: int, scale: float = 0.2) -> Any:
+    """The reference model with seeded Gaussian noise of ``scale`` added to every parameter:
+    weights a refit can tell apart from the served ones."""
+    policy = load_reference_model(model_dir)
+    noise = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=noise) * scale)
+    return policy
+
+
 def next_token_logprobs(
     model: Any, output_ids: torch.Tensor, unpadded_sequence_lengths: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
