@@ -465,6 +465,20 @@ class BaseGeneration(ABC):
         cover all of it (``partial``: whole module groups of it)."""
         self.updates.check(metas, partial)
 
+    def _run_update(
+        self,
+        apply: Callable[[], None],
+        *,
+        buckets: list[WeightBucket] | None = None,
+        source: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
+        dtype: torch.dtype | None = None,
+        partial: bool = False,
+    ) -> None:
+        """Run one validated call's weight update (``apply``): of ``buckets``, of ``source`` cast
+        to ``dtype``, or (neither) over the weight-sync group. Backends whose engines can be
+        replaced run it again after a death and keep what it applied."""
+        apply()
+
     @property
     def weight_sync(self) -> SyncGroupSpec | None:
         """The spec of the weight-sync group the engines joined (``init_weight_sync``), if any."""
@@ -493,7 +507,9 @@ class BaseGeneration(ABC):
             if b.transport not in TRANSPORT_CAPABILITY:
                 raise RefitError(f"unknown refit transport {b.transport!r}")
             self.require(TRANSPORT_CAPABILITY[b.transport], f"refit over {b.transport}")
-        self.updates.apply_buckets(items, partial, mode)
+        self._run_update(
+            lambda: self.updates.apply_buckets(items, partial, mode), buckets=items, partial=partial
+        )
 
     @serialised
     def refit(
@@ -520,13 +536,18 @@ class BaseGeneration(ABC):
         self._check_open()
         self._check_awake(["weights"], "refit")
         self.require(TRANSPORT_CAPABILITY[self.local_transport], "refit")
-        self.updates.refit(
-            source,
-            bucket_bytes=bucket_bytes,
+        self._run_update(
+            lambda: self.updates.refit(
+                source,
+                bucket_bytes=bucket_bytes,
+                dtype=dtype,
+                partial=partial,
+                check_finite=check_finite,
+                mode=mode,
+            ),
+            source=source,
             dtype=dtype,
             partial=partial,
-            check_finite=check_finite,
-            mode=mode,
         )
 
     @serialised
@@ -589,7 +610,7 @@ class BaseGeneration(ABC):
         ``timeout_s``): a closed or sleeping engine, or no group."""
         self._check_open()
         self._check_awake(["weights"], "update weights")
-        self.updates.update_from_collective(mode)
+        self._run_update(lambda: self.updates.update_from_collective(mode))
 
     # ---- engine hooks of a refit in process (``rollgen.refit.InProcessLink``) --------------------
     @abstractmethod

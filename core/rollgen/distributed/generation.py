@@ -28,7 +28,7 @@ from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, 
 from rollgen.errors import ConfigError, WorkerError
 from rollgen.refit import WeightBucket, dtype_name
 from rollgen.refit.bucket import named_tensors
-from rollgen.rollout import ReplicaLoad, SampleRequest, UpdateMode
+from rollgen.rollout import ReplicaLoad, SampleRequest
 from rollgen.sampling import SampleParams
 
 logger = logging.getLogger(__name__)
@@ -258,72 +258,40 @@ class RayGeneration(BaseGeneration):
         if not (error.died and self.fleet.died_as(error)):  # with "replace", a death others survive
             super()._worker_failed(error)
 
-    def _again_on_death(self, update: Callable[[], None]) -> None:
-        """Run ``update``; if a replica's death ends it and the fleet goes on, run it once more
-        (on the survivors: a death during a refit leaves no replica that serves mixed weights)."""
+    def _run_update(
+        self,
+        apply: Callable[[], None],
+        *,
+        buckets: list[WeightBucket] | None = None,
+        source: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
+        dtype: torch.dtype | None = None,
+        partial: bool = False,
+    ) -> None:
+        """Run the update; if a replica's death ends it and the fleet goes on, run it once more
+        (on the survivors: a death during a refit leaves no replica that serves mixed weights).
+        Then the replicas in service hold the new version, and (with "replace") the fleet keeps
+        its tensors for a replacement."""
+        replaces = self.fleet.replaces
+        if replaces:
+            for b in buckets or ():
+                b.resolve()  # mapped here before they are sent, to be read after
         try:
-            update()
+            apply()
         except WorkerError as exc:
             if not (exc.died and self.fleet.died_as(exc)):
                 raise
             logger.warning(
                 "%s: %s died during a weight update; updating the others again", self.name, exc.worker
             )
-            update()
-
-    @serialised
-    def update_weights(
-        self,
-        buckets: WeightBucket | Iterable[WeightBucket],
-        *,
-        partial: bool = False,
-        mode: UpdateMode = "wait",
-    ) -> None:
-        kept: list[WeightBucket] = []
-        if self.fleet.replaces and isinstance(buckets, WeightBucket):
-            buckets = kept = [buckets]
-        elif (
-            self.fleet.replaces
-            and isinstance(buckets, Iterable)
-            and not isinstance(buckets, (str, bytes, Mapping))
-        ):
-            buckets = kept = list(buckets)  # kept for a replacement (the base class checks each)
-        for b in kept:
-            if isinstance(b, WeightBucket):
-                b.resolve()  # mapped here before they are sent, to be read after
-        self._again_on_death(
-            lambda: super(RayGeneration, self).update_weights(buckets, partial=partial, mode=mode)
-        )
-        self.fleet.updated((pair for b in kept for pair in b.unpack()), partial)
-
-    @serialised
-    def refit(
-        self,
-        source: torch.nn.Module | Mapping[str, torch.Tensor],
-        *,
-        bucket_bytes: int | None = None,
-        dtype: torch.dtype | None = None,
-        partial: bool = False,
-        check_finite: bool = True,
-        mode: UpdateMode = "wait",
-    ) -> None:
-        self._again_on_death(
-            lambda: super(RayGeneration, self).refit(
-                source,
-                bucket_bytes=bucket_bytes,
-                dtype=dtype,
-                partial=partial,
-                check_finite=check_finite,
-                mode=mode,
-            )
-        )
-        named = named_tensors(source)
-        self.fleet.updated(((n, t if dtype is None else t.to(dtype)) for n, t in named), partial)
-
-    @serialised
-    def update_weights_from_collective(self, *, mode: UpdateMode = "wait") -> None:
-        super().update_weights_from_collective(mode=mode)
-        self.fleet.updated(None, False)
+            apply()
+        named: Iterable[tuple[str, torch.Tensor]] | None
+        if buckets is not None:
+            named = (pair for b in buckets for pair in b.unpack()) if replaces else ()
+        elif source is not None:
+            named = ((n, t if dtype is None else t.to(dtype)) for n, t in named_tensors(source))
+        else:
+            named = None  # over the weight-sync group
+        self.fleet.updated(named, partial)
 
     def _stream_abort(self, keys: list[str]) -> None:
         self._dispatcher.abort(keys)
