@@ -25,6 +25,23 @@ class ModelInfo:
     #: ``generate`` stops at), else ``config.json``'s.
     eos_token_ids: tuple[int, ...] = ()
 
+    def context(self, max_model_len: int | None) -> int:
+        """The context rollgen checks prompts against: ``max_model_len`` (a config's), else the
+        model's. ConfigError if it is above the model's."""
+        if (max_model_len or 0) > self.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len={max_model_len} is above the model's context of "
+                f"{self.max_position_embeddings} tokens (max_position_embeddings in its config.json)"
+            )
+        return int(max_model_len or self.max_position_embeddings)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The torch dtype for a config ``dtype`` ("auto": the checkpoint's, else float32)."""
+        if name == "auto":
+            name = self.torch_dtype or "float32"
+        dtype: torch.dtype = getattr(torch, name)
+        return dtype
+
     def weight_spec(self, dtype: torch.dtype) -> WeightSpec:
         """Names and full shapes of the HF model's state dict (built on the meta device: no
         memory), with ``dtype``: what a refit of this model sends."""

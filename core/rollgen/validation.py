@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping
 from functools import cache
 from typing import Any, get_args
@@ -12,9 +13,12 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 
 from rollgen.data import BatchedDataDict
-from rollgen.errors import InputError
+from rollgen.errors import ConfigError, InputError
 from rollgen.spec import PER_SAMPLE_SAMPLING_KEYS
 
+#: Bounds of sampling settings tighter than the contract's that an engine enforces
+#: (``{"temperature": (low, high)}``, None for no bound).
+Limits = Mapping[str, tuple[float | None, float | None]]
 _MAX_NAMED = 8
 #: Every key a batch may hold.
 BATCH_KEYS = ("input_ids", "input_lengths", "stop_strings", *PER_SAMPLE_SAMPLING_KEYS)
@@ -149,3 +153,42 @@ def _check_per_sample(data: BatchedDataDict[Any], batch: int) -> None:
 @cache
 def _adapter(bounds: Any) -> TypeAdapter[Any]:
     return TypeAdapter(bounds)
+
+
+def check_config_limits(limits: Limits, cfg: Mapping[str, Any], backend: str) -> None:
+    """ConfigError listing every setting of ``cfg`` outside ``limits``, the ``backend``'s."""
+    problems = [
+        f"{key}: {cfg[key]} is outside {_bounds(lo, hi)}, which the {backend} engine takes"
+        for key, (lo, hi) in limits.items()
+        if cfg.get(key) is not None
+        and not ((lo is None or cfg[key] >= lo) and (hi is None or cfg[key] <= hi))
+    ]
+    if problems:
+        raise ConfigError(f"invalid config for backend {backend!r}", problems)
+
+
+def check_batch_limits(limits: Limits, batch: Mapping[str, Any], backend: str) -> None:
+    """InputError naming the samples whose per-sample settings are outside ``limits``."""
+    for key, (lo, hi) in limits.items():
+        if key in batch:
+            values = torch.as_tensor(batch[key]).double()
+            bad = (values < (-math.inf if lo is None else lo)) | (values > (math.inf if hi is None else hi))
+            if bad.any():
+                rows = bad.nonzero().flatten().tolist()
+                raise InputError(
+                    f"sample(s) {rows}: per-sample {key} outside {_bounds(lo, hi)}, which the {backend} "
+                    "engine takes",
+                    rows,
+                )
+
+
+def check_replica(replica: Any, replicas: int) -> None:
+    """InputError unless ``replica`` (``submit``'s) is None or one of ``replicas``."""
+    if replica is not None and (
+        isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas
+    ):
+        raise InputError(f"submit(replica={replica!r}): a replica is an int in [0, {replicas}) or None")
+
+
+def _bounds(low: float | None, high: float | None) -> str:
+    return f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"

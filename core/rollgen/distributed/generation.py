@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import ray
 import torch
 
-from rollgen.base import WAKE_TAGS, BaseGeneration, serialised
+from rollgen.base import BaseGeneration, serialised
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.dispatch import SampleDispatcher
 from rollgen.distributed.fleet import Fleet, ReplicaStatus
@@ -30,6 +30,7 @@ from rollgen.refit import WeightBucket, dtype_name
 from rollgen.refit.bucket import named_tensors
 from rollgen.rollout import ReplicaLoad, SampleRequest
 from rollgen.sampling import SampleParams
+from rollgen.wake import WAKE_TAGS
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +251,7 @@ class RayGeneration(BaseGeneration):
         that started to the current weights and put them in service (``generate`` and
         ``submit`` do this without waiting); returns ``replicas``."""
         self._check_open()
-        self._check_awake(WAKE_TAGS, "restore replicas")
+        self._awake.require(WAKE_TAGS, "restore replicas")
         self.fleet.admit(timeout_s)
         return self.fleet.status()
 

@@ -22,7 +22,15 @@ from rollgen.refit.checks import (
     require_finite,
 )
 from rollgen.refit.cuda_ipc import InPlaceViews, IpcHandle, gpu_entry, ipc_handles, mapped
-from rollgen.refit.meta import TensorMeta, Transport, flat_offsets, flatten, module_group, unflatten
+from rollgen.refit.meta import (
+    TRANSPORT_CAPABILITY,
+    TensorMeta,
+    Transport,
+    flat_offsets,
+    flatten,
+    module_group,
+    unflatten,
+)
 
 #: Bucket size for a source in host memory.
 DEFAULT_BUCKET_BYTES = 1 << 30
@@ -95,6 +103,20 @@ class WeightBucket:
         else:
             raise RefitError(f"unknown refit transport {self.transport!r}")
         return [(m.name, t) for m, t in zip(self.metas, tensors, strict=True)]
+
+
+def as_buckets(buckets: Any) -> list[WeightBucket]:
+    """``update_weights``'s buckets as a list. RefitError unless ``buckets`` is one
+    ``WeightBucket`` or several, each of a known transport."""
+    if buckets is None or isinstance(buckets, (str, bytes, Mapping, torch.Tensor)):
+        raise RefitError(f"update_weights takes a WeightBucket or several, got {type(buckets).__name__}")
+    items = [buckets] if isinstance(buckets, WeightBucket) else list(buckets)
+    for b in items:
+        if not isinstance(b, WeightBucket):
+            raise RefitError(f"update_weights takes WeightBucket(s), got {type(b).__name__}")
+        if b.transport not in TRANSPORT_CAPABILITY:
+            raise RefitError(f"unknown refit transport {b.transport!r}")
+    return items
 
 
 def merge_buckets(per_rank: Sequence[Sequence[WeightBucket]]) -> list[WeightBucket]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollgen.errors import RefitError
+from rollgen.errors import RefitError, StaleWeights
 from rollgen.refit.bucket import WeightBucket, default_bucket_bytes, grouped, named_tensors
 from rollgen.refit.checks import (
     check_against_spec,
@@ -27,7 +27,7 @@ from rollgen.refit.checks import (
 from rollgen.refit.cuda_ipc import device_uuid
 from rollgen.refit.link import EngineLink
 from rollgen.refit.meta import Named, TensorMeta, WeightSpec
-from rollgen.refit.weight_sync import SyncGroupSpec, WeightSender
+from rollgen.refit.weight_sync import SyncBackend, SyncGroupSpec, WeightSender
 
 if TYPE_CHECKING:
     from rollgen.rollout import Streams, UpdateMode
@@ -36,13 +36,16 @@ logger = logging.getLogger(__name__)
 
 
 class WeightUpdates:
-    """The weight updates of the generation named ``name``, applied through ``link``; ``spec``
-    gives the served model's ``WeightSpec``; ``streams`` holds the samples an update may meet in
-    flight. The generation's lock is held around every method."""
+    """The weight updates of the generation named ``name``, applied through ``link``;
+    ``expected`` reads the served model's ``WeightSpec`` (once); ``streams`` holds the samples an
+    update may meet in flight. The generation's lock is held around every method."""
 
-    def __init__(self, name: str, link: EngineLink, spec: Callable[[], WeightSpec], streams: Streams) -> None:
+    def __init__(
+        self, name: str, link: EngineLink, expected: Callable[[], WeightSpec], streams: Streams
+    ) -> None:
         self.name, self.link = name, link
-        self._spec, self._streams = spec, streams
+        self._expected, self._streams = expected, streams
+        self._spec: WeightSpec | None = None
         #: Why the engine may hold mixed weights (an update failed part-way), until a complete one.
         self.stale: str | None = None
         #: Whether the engine may hold cached prefixes: a generate ran since the last reset (a
@@ -62,10 +65,17 @@ class WeightUpdates:
         self.weight_sync: SyncGroupSpec | None = None
         self._sender: WeightSender | None = None
 
+    @property
+    def spec(self) -> WeightSpec:
+        """What an update may send: HF checkpoint names, full (unsharded) shapes, engine dtype."""
+        if self._spec is None:
+            self._spec = self._expected()
+        return self._spec
+
     def check(self, metas: Iterable[TensorMeta], partial: bool = False) -> None:
         """RefitError (listing every problem) unless the tensors match the served model and
         cover all of it (``partial``: whole module groups of it)."""
-        check_against_spec(metas, self._spec(), partial)
+        check_against_spec(metas, self.spec, partial)
 
     # ---- updates from this process ------------------------------------------------------------
     def apply_buckets(self, buckets: list[WeightBucket], partial: bool, mode: UpdateMode) -> None:
@@ -160,6 +170,15 @@ class WeightUpdates:
         self._settle(partial)
 
     # ---- the weight-sync group ------------------------------------------------------------------
+    def sync_spec(
+        self, address: str, port: int, backend: SyncBackend | None, timeout_s: float
+    ) -> SyncGroupSpec:
+        """The spec of a group of the sender and every engine rank (``backend`` None: NCCL if
+        the engines receive on GPUs, else gloo)."""
+        if backend is None:
+            backend = "nccl" if self.link.sync_device.type == "cuda" else "gloo"
+        return SyncGroupSpec(address, port, 1 + self.link.weight_sync_ranks, backend, timeout_s)
+
     def init_weight_sync(self, spec: SyncGroupSpec, local_sender: bool) -> None:
         """Have every engine rank join ``spec``'s group (``BaseGeneration.init_weight_sync``)."""
         if spec.port == 0 and not local_sender:
@@ -221,7 +240,7 @@ class WeightUpdates:
     def _over_sync(self, send: Callable[[], None] | None) -> None:
         """Receive one update on every engine rank while ``send`` (if any) broadcasts it here."""
         try:
-            received = self.link.receive_weights(self._spec())
+            received = self.link.receive_weights(self.spec)
             if send is not None:
                 sent = False
                 try:
@@ -239,6 +258,28 @@ class WeightUpdates:
                 self._mark_stale(f"an update over the weight-sync group failed ({type(exc).__name__}: {exc})")
             raise
         self._settle(partial)
+
+    def require_fresh(self) -> None:
+        """StaleWeights unless the last update that failed part-way was followed by a complete one."""
+        if self.stale is not None:
+            raise StaleWeights(
+                f"{self.name}: {self.stale}; the engine may hold a mix of old and new weights. "
+                "Call refit() (or update_weights()) with the complete weights before generating"
+            )
+
+    # ---- what the engine did between updates ----------------------------------------------------
+    def generated(self) -> None:
+        """A generate or a submit ran (or began): the engine may hold cached prefixes."""
+        self.prefixes_cached = True
+
+    def slept(self) -> None:
+        """The engine slept, which resets its prefix cache."""
+        self.prefixes_cached = False
+
+    def nonfinite_logprobs(self) -> None:
+        """An output held NaN or infinite logprobs: the next complete update clears the KV cache."""
+        self.kv_poisoned = True
+        logger.warning("%s: NaN or infinite logprobs; are the weights finite?", self.name)
 
     # ---- settlement -----------------------------------------------------------------------------
     def _in_flight(self, mode: UpdateMode) -> AbstractContextManager[None]:
@@ -260,6 +301,10 @@ class WeightUpdates:
         if self.prefixes_cached:  # a generate may have filled it since the last reset
             self.link.reset_prefix_cache()
             self.prefixes_cached = False
+
+    def release(self) -> None:
+        """Have the engines free what refits keep between them (``release_refit_buffers``)."""
+        self.link.release()
 
     def close(self) -> None:
         """At shutdown: forget the group; the link ends what it holds."""
