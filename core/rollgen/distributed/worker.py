@@ -26,6 +26,7 @@ from rollgen.refit import WeightBucket, WeightSpec, release_staged
 from rollgen.refit.weight_sync import SyncGroupSpec
 from rollgen.rollout import FinishedSample, SampleRequest
 from rollgen.sampling import SampleParams
+from rollgen.streaming_loop import StepLoop, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +94,10 @@ class EngineWorker(ABC):
     the spec enables sleep mode; ``shutdown`` runs the engine's stop once.
 
     Streamed samples (``start_samples``, ``abort_samples``, ``poll``) are decoded by a thread of
-    the worker that steps the engine (``_add_samples``, ``_step``, ``_abort_samples``) while it
-    has any; ``poll`` runs in a concurrency group of its own (``results``), so it waits for ended
-    samples while the other calls run. The core never refits, sleeps or runs ``generate`` while
-    samples stream.
+    the worker that steps the engine (``rollgen.streaming_loop.StepLoop`` over ``_add_samples``,
+    ``_step``, ``_abort_samples``) while it has any; ``poll`` runs in a concurrency group of its
+    own (``results``), so it waits for ended samples while the other calls run. The core never
+    refits, sleeps or runs ``generate`` while samples stream.
 
     The engine's own processes (those of this actor's descendants whose command line starts
     with one of ``engine_processes``) are watched from a thread: if one ends while the engine
@@ -114,11 +115,12 @@ class EngineWorker(ABC):
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self._stopped = False
+        #: The samples that ended and were not polled yet (``poll`` waits on it).
         self._mailbox = threading.Condition()
-        self._to_start: list[SampleRequest] = []
-        self._to_abort: set[str] = set()
         self._ended: list[FinishedSample] = []
-        self._streaming: threading.Thread | None = None
+        self._streaming = StepLoop(
+            self._add_samples, self._step, self._abort_samples, self._report, f"engine {spec.index}"
+        )
         self._start()
         watched = {
             pid: cmd for pid, cmd in descendants(os.getpid()).items() if cmd.startswith(self.engine_processes)
@@ -210,28 +212,18 @@ class EngineWorker(ABC):
 
     def shutdown(self) -> None:
         if not self._stopped:
-            with self._mailbox:
-                self._stopped = True
-                self._mailbox.notify_all()
-            if self._streaming is not None:
-                self._streaming.join()
+            self._stopped = True
+            self._streaming.stop()
             self._stop()
 
     # ---- streamed samples -----------------------------------------------------------------------
     def start_samples(self, requests: list[SampleRequest]) -> None:
         """Start decoding ``requests`` (returns at once; ``poll`` reports them as they end)."""
-        with self._mailbox:
-            self._to_start.extend(requests)
-            if self._streaming is None:
-                self._streaming = threading.Thread(target=self._stream, daemon=True, name="rollgen-stream")
-                self._streaming.start()
-            self._mailbox.notify_all()
+        self._streaming.start(requests)
 
     def abort_samples(self, keys: list[str]) -> None:
         """End the samples ``keys`` that still run (each reported aborted, with its tokens)."""
-        with self._mailbox:
-            self._to_abort.update(keys)
-            self._mailbox.notify_all()
+        self._streaming.abort(keys)
 
     @ray.method(concurrency_group="results")  # type: ignore[untyped-decorator]
     def poll(self, timeout_s: float) -> list[FinishedSample]:
@@ -241,49 +233,10 @@ class EngineWorker(ABC):
             ended, self._ended = self._ended, []
         return ended
 
-    def _stream(self) -> None:
-        """The decoding thread: start, abort and step until every sample has ended, then wait."""
-        running: dict[str, tuple[list[int], list[float]]] = {}
-        while True:
-            with self._mailbox:
-                if not running:
-                    self._mailbox.wait_for(lambda: bool(self._to_start or self._to_abort or self._stopped))
-                if self._stopped:
-                    return
-                starts, self._to_start = self._to_start, []
-                aborts, self._to_abort = self._to_abort, set()
-            ended: list[FinishedSample] = []
-            try:
-                if starts:
-                    self._add_samples(starts)
-                    running.update({r.key: ([], []) for r in starts})
-                hit = [k for k in aborts if k in running]
-                if hit:
-                    self._abort_samples(hit)
-                    ended += [FinishedSample(k, *_tuples(running.pop(k)), aborted=True) for k in hit]
-                for key, tokens, logprobs, finished in self._step() if running else []:
-                    if key in running:
-                        running[key][0].extend(tokens)
-                        running[key][1].extend(logprobs)
-                        if finished:
-                            ended.append(FinishedSample(key, *_tuples(running.pop(key))))
-            except Exception as exc:  # noqa: BLE001 - reported with every sample it ends
-                logger.exception("engine %d: decoding streamed samples failed", self.spec.index)
-                error = f"{type(exc).__name__}: {exc}"
-                reported = {f.key for f in ended}
-                lost: dict[str, tuple[list[int], list[float]]] = {r.key: ([], []) for r in starts} | running
-                ended += [
-                    FinishedSample(k, *_tuples(s), error=error) for k, s in lost.items() if k not in reported
-                ]
-                running.clear()
-                try:  # the engine may still hold some of them
-                    self._abort_samples(list(lost))
-                except Exception:  # noqa: BLE001 - the error above is the one reported
-                    logger.debug("engine %d: could not abort the failed samples", self.spec.index)
-            if ended:
-                with self._mailbox:
-                    self._ended += ended
-                    self._mailbox.notify_all()
+    def _report(self, ended: list[FinishedSample]) -> None:
+        with self._mailbox:
+            self._ended += ended
+            self._mailbox.notify_all()
 
     # ---- engine hooks -------------------------------------------------------------------------
     @abstractmethod
@@ -334,7 +287,7 @@ class EngineWorker(ABC):
         """Remove running samples from the engine."""
         raise NotImplementedError(f"{type(self).__name__} does not stream samples (async)")
 
-    def _step(self) -> list[tuple[str, list[int], list[float], bool]]:
+    def _step(self) -> list[StepOutput]:
         """One engine step: (key, new tokens, their logprobs, ended) of each sample it moved."""
         raise NotImplementedError(f"{type(self).__name__} does not stream samples (async)")
 
@@ -365,10 +318,6 @@ class EngineWorker(ABC):
     @abstractmethod
     def _stop(self) -> None:
         """Stop the engine and its processes."""
-
-
-def _tuples(sample: tuple[list[int], list[float]]) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    return tuple(sample[0]), tuple(sample[1])
 
 
 def descendants(pid: int) -> dict[int, str]:

@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
+from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams, process_logits
+from rollgen.streaming_loop import StepOutput
 
 
 @dataclass
@@ -149,3 +151,38 @@ class Decoder:
             self.past, self.logits = out.past_key_values, out.logits[:, -1].float()
             self.next_pos = self.next_pos + 1
         return (active & self.done).nonzero().flatten().tolist()
+
+
+class Cohorts:
+    """The streamed samples being decoded: one ``Decoder`` per request list (``decoder``
+    builds it, prefilling), each stepped in turn; the hooks of a ``rollgen.streaming_loop``
+    ``StepLoop``."""
+
+    def __init__(self, decoder: Callable[[list[SampleRequest]], Decoder]) -> None:
+        self._decoder = decoder
+        self._cohorts: list[tuple[Decoder, list[str]]] = []
+
+    def add(self, requests: list[SampleRequest]) -> None:
+        self._cohorts.append((self._decoder(requests), [r.key for r in requests]))
+
+    def abort(self, keys: list[str]) -> None:
+        wanted = set(keys)
+        for decoder, cohort in self._cohorts:
+            decoder.stop([i for i, k in enumerate(cohort) if k in wanted])
+        self._drop_finished()
+
+    def step(self) -> list[StepOutput]:
+        """A step of every cohort: each moved row's new token and logprob, and whether it ended."""
+        moved: list[StepOutput] = []
+        for decoder, keys in self._cohorts:
+            before = decoder.lengths.clone()
+            ended = set(decoder.step())
+            rows = (decoder.lengths > before).nonzero().flatten()
+            at = decoder.lengths[rows] - 1
+            tokens, logprobs = decoder.tokens[rows, at].tolist(), decoder.logprobs[rows, at].tolist()
+            moved += [(keys[i], [t], [lp], i in ended) for i, t, lp in zip(rows.tolist(), tokens, logprobs)]
+        self._drop_finished()
+        return moved
+
+    def _drop_finished(self) -> None:
+        self._cohorts = [(d, k) for d, k in self._cohorts if not d.finished]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import threading
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -16,9 +15,10 @@ from rollgen.data import BatchedDataDict, right_pad
 from rollgen.errors import ConfigError
 from rollgen.output import assemble_output
 from rollgen.refit import WeightBucket, WeightSpec, device_uuid, load_into_module
-from rollgen.rollout import FinishedSample, SampleRequest
+from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
-from rollgen_hf.decode import Decoder
+from rollgen.streaming_loop import StepLoop
+from rollgen_hf.decode import Cohorts, Decoder
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +56,12 @@ class HfGeneration(BaseGeneration):
         # draws for samples without a seed (with a config seed, the core seeds every sample)
         self._generator = torch.Generator()
         self._generator.seed()
-        # streamed samples: batches and aborts handed to the decoding thread
-        self._inbox = threading.Condition()
-        self._incoming: list[list[SampleRequest]] = []
-        self._aborts: set[str] = set()
-        self._decoding: threading.Thread | None = None
-        self._stopping = False
+        # streamed samples: one thread decodes every submitted batch, a step of each in turn
+        # (``deliver`` looked up at each report: a subclass may wrap it)
+        cohorts = Cohorts(self._cohort)
+        self._decoding = StepLoop(
+            cohorts.add, cohorts.step, cohorts.abort, lambda ended: self._streams.deliver(ended), "rollgen-hf"
+        )
 
     @property
     def releases_memory_on_sleep(self) -> bool:
@@ -89,19 +89,11 @@ class HfGeneration(BaseGeneration):
     def _stop_hit(self, params: list[SampleParams]) -> Any:
         return lambda row, tokens: self._hits_stop_string(params[row], tokens)
 
-    # ---- streamed samples: one thread decodes every submitted batch, a step of each in turn --
     def _stream_start(self, requests: list[SampleRequest]) -> None:
-        with self._inbox:
-            self._incoming.append(requests)
-            if self._decoding is None:
-                self._decoding = threading.Thread(target=self._decode_streams, daemon=True, name="rollgen-hf")
-                self._decoding.start()
-            self._inbox.notify_all()
+        self._decoding.start(requests)
 
     def _stream_abort(self, keys: list[str]) -> None:
-        with self._inbox:
-            self._aborts.update(keys)
-            self._inbox.notify_all()
+        self._decoding.abort(keys)
 
     def _decoder(
         self, input_ids: torch.Tensor, input_lengths: torch.Tensor, params: list[SampleParams]
@@ -121,44 +113,6 @@ class HfGeneration(BaseGeneration):
         ids, lengths = right_pad([r.prompt_ids for r in requests], self.cfg["pad_token_id"], torch.long)
         return self._decoder(ids, lengths, [r.params for r in requests])
 
-    def _decode_streams(self) -> None:
-        cohorts: list[tuple[Decoder, list[str]]] = []
-        while True:
-            with self._inbox:
-                if not cohorts:
-                    self._inbox.wait_for(lambda: bool(self._incoming or self._aborts or self._stopping))
-                if self._stopping:
-                    return
-                incoming, self._incoming = self._incoming, []
-                aborts, self._aborts = self._aborts, set()
-            report: list[FinishedSample] = []
-            try:
-                cohorts += [(self._cohort(r), [q.key for q in r]) for r in incoming]
-                for decoder, keys in cohorts:
-                    stopped = [i for i, k in enumerate(keys) if k in aborts and not decoder.done[i]]
-                    decoder.stop(stopped)
-                    ended = [(i, True) for i in stopped]
-                    if not decoder.finished:
-                        ended += [(i, False) for i in decoder.step()]
-                    report += [
-                        FinishedSample(keys[i], *map(tuple, decoder.row(i)), aborted=a) for i, a in ended
-                    ]
-            except Exception as exc:  # noqa: BLE001 - reported with every sample it ends
-                logger.exception("%s: decoding streamed samples failed", self.name)
-                ended_keys = {f.key for f in report}
-                running = [k for d, keys in cohorts for i, k in enumerate(keys) if not d.done[i]]
-                running += [
-                    q.key for r in incoming for q in r if q.key not in {k for _, ks in cohorts for k in ks}
-                ]
-                report += [
-                    FinishedSample(k, (), (), error=f"{type(exc).__name__}: {exc}")
-                    for k in running
-                    if k not in ended_keys
-                ]
-                cohorts = []
-            cohorts = [(d, k) for d, k in cohorts if not d.finished]
-            self._streams.deliver(report)
-
     def _expected_weights(self) -> WeightSpec:
         return WeightSpec.of_module(self.model)
 
@@ -176,11 +130,7 @@ class HfGeneration(BaseGeneration):
             self.model.to(self.device)
 
     def _shutdown(self) -> None:
-        with self._inbox:
-            self._stopping = True
-            self._inbox.notify_all()
-        if self._decoding is not None:
-            self._decoding.join()
+        self._decoding.stop()
         del self.model
         gc.collect()
         if self.device.type == "cuda":

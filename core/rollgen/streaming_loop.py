@@ -1,0 +1,119 @@
+"""``StepLoop``: the decoding thread of an engine that is stepped, shared by hf and the Ray
+workers. It admits the samples handed to it, ends those asked to end, steps the engine while any
+runs and reports each sample once it ends; a failure ends every sample it started, with the
+error, so none is left unreported."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from rollgen.rollout import FinishedSample, SampleRequest
+
+logger = logging.getLogger(__name__)
+
+#: What one engine step did to one sample: its key, its new tokens and their logprobs, whether
+#: it ended.
+StepOutput = tuple[str, list[int], list[float], bool]
+
+
+class StepLoop:
+    """One thread that drives an engine through three hooks while it has samples, and reports
+    what ended to ``deliver`` (from that thread).
+
+    Args:
+        add: admit one list of requests (keyed by ``SampleRequest.key``), as one batch.
+        step: one engine step: a ``StepOutput`` for each sample it moved.
+        abort: remove running samples from the engine (keys it no longer runs are ignored).
+        deliver: takes the samples that ended in a round (``FinishedSample``; aborted ones carry
+            the tokens they have).
+        name: names the thread and the log lines.
+
+    Aborts come before the step in each round: a sample that ended on its own is reported as it
+    is, even if an abort came too late to stop it."""
+
+    def __init__(
+        self,
+        add: Callable[[list[SampleRequest]], None],
+        step: Callable[[], list[StepOutput]],
+        abort: Callable[[list[str]], None],
+        deliver: Callable[[list[FinishedSample]], None],
+        name: str,
+    ) -> None:
+        self._add, self._step, self._abort, self._deliver, self.name = add, step, abort, deliver, name
+        self._inbox = threading.Condition()
+        self._to_start: list[list[SampleRequest]] = []
+        self._to_abort: set[str] = set()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def start(self, requests: list[SampleRequest]) -> None:
+        """Hand ``requests`` to the thread (started on the first call); returns at once."""
+        with self._inbox:
+            self._to_start.append(requests)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name=self.name)
+                self._thread.start()
+            self._inbox.notify_all()
+
+    def abort(self, keys: list[str]) -> None:
+        """Have the thread end the samples ``keys`` that still run."""
+        with self._inbox:
+            self._to_abort.update(keys)
+            self._inbox.notify_all()
+
+    def stop(self) -> None:
+        """End the thread (what still runs is left unreported: the caller stops the engine)."""
+        with self._inbox:
+            self._stopped = True
+            self._inbox.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        running: dict[str, tuple[list[int], list[float]]] = {}
+        while True:
+            with self._inbox:
+                if not running:
+                    self._inbox.wait_for(lambda: bool(self._to_start or self._to_abort or self._stopped))
+                if self._stopped:
+                    return
+                starts, self._to_start = self._to_start, []
+                aborts, self._to_abort = self._to_abort, set()
+            ended: list[FinishedSample] = []
+            try:
+                for requests in starts:
+                    self._add(requests)
+                    running.update({r.key: ([], []) for r in requests})
+                hit = [k for k in aborts if k in running]
+                if hit:
+                    self._abort(hit)
+                    ended += [FinishedSample(k, *_tuples(running.pop(k)), aborted=True) for k in hit]
+                for key, tokens, logprobs, finished in self._step() if running else []:
+                    if key in running:
+                        running[key][0].extend(tokens)
+                        running[key][1].extend(logprobs)
+                        if finished:
+                            ended.append(FinishedSample(key, *_tuples(running.pop(key))))
+            except Exception as exc:  # noqa: BLE001 - reported with every sample it ends
+                logger.exception("%s: decoding streamed samples failed", self.name)
+                error = f"{type(exc).__name__}: {exc}"
+                reported = {f.key for f in ended}
+                lost: dict[str, tuple[list[int], list[float]]] = {
+                    r.key: ([], []) for requests in starts for r in requests
+                } | running
+                ended += [
+                    FinishedSample(k, *_tuples(s), error=error) for k, s in lost.items() if k not in reported
+                ]
+                running.clear()
+                try:  # the engine may still hold some of them
+                    self._abort(list(lost))
+                except Exception:  # noqa: BLE001 - the error above is the one reported
+                    logger.debug("%s: could not abort the failed samples", self.name)
+            if ended:
+                self._deliver(ended)
+
+
+def _tuples(sample: tuple[list[int], list[float]]) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    return tuple(sample[0]), tuple(sample[1])
