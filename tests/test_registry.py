@@ -129,10 +129,11 @@ def test_allow_and_block_lists() -> None:
 
 
 def test_builtin_backends_come_from_entry_points_without_engine_imports() -> None:
-    """Discovery through the installed entry points imports no engine or model code."""
+    """Discovery through the installed entry points imports no engine, Ray or model code (the
+    Ray backends' config types subclass ``rollgen.distributed.config.RayEngineCfg``)."""
     code = (
         "import sys, json; from rollgen.registry import get_registry; r = get_registry();"
-        "heavy = ('vllm', 'sglang', 'transformers.models');"
+        "heavy = ('vllm', 'sglang', 'ray', 'transformers.models');"
         "print(json.dumps({'backends': sorted(r.backends),"
         " 'loaded': [m for m in heavy if m in sys.modules]}))"
     )

@@ -5,7 +5,8 @@ from typing import Annotated, Any
 from pydantic import Field
 from typing_extensions import NotRequired
 
-from rollgen.spec import EngineSubDict, GenerationConfig, RayEngineCfg
+from rollgen.distributed.config import RayEngineCfg
+from rollgen.spec import EngineSubDict, GenerationConfig
 
 
 class SglangCfg(RayEngineCfg):

@@ -5,7 +5,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 from typing_extensions import NotRequired
 
-from rollgen.spec import EngineSubDict, GenerationConfig, PositiveInt, RayEngineCfg
+from rollgen.distributed.config import RayEngineCfg
+from rollgen.spec import EngineSubDict, GenerationConfig, PositiveInt
 
 
 class VllmCfg(RayEngineCfg):
