@@ -89,7 +89,13 @@ class WeightBucket:
         return self
 
     def unpack(self, device: torch.device | str | None = None) -> list[tuple[str, torch.Tensor]]:
-        """The named tensors, on the engine side (for ``cuda_ipc``, on this process's device)."""
+        """The named tensors, on the engine side.
+
+        Args:
+            device: for ``cuda_ipc``, the GPU to map them on (None: this process's device).
+
+        Raises:
+            RefitError: for an unknown transport, or (``cuda_ipc``) no handle for the GPU."""
         if self.transport == "tensors":
             tensors = list(self.payload)
         elif self.transport == "shared_memory":
@@ -106,8 +112,11 @@ class WeightBucket:
 
 
 def as_buckets(buckets: Any) -> list[WeightBucket]:
-    """``update_weights``'s buckets as a list. RefitError unless ``buckets`` is one
-    ``WeightBucket`` or several, each of a known transport."""
+    """``update_weights``'s buckets as a list.
+
+    Raises:
+        RefitError: unless ``buckets`` is one ``WeightBucket`` or several, each of a known
+            transport."""
     if buckets is None or isinstance(buckets, (str, bytes, Mapping, torch.Tensor)):
         raise RefitError(f"update_weights takes a WeightBucket or several, got {type(buckets).__name__}")
     items = [buckets] if isinstance(buckets, WeightBucket) else list(buckets)
@@ -120,11 +129,19 @@ def as_buckets(buckets: Any) -> list[WeightBucket]:
 
 
 def merge_buckets(per_rank: Sequence[Sequence[WeightBucket]]) -> list[WeightBucket]:
-    """One update from the CUDA IPC buckets of several trainer ranks colocated with the engines
-    (FSDP or Megatron ranks, each holding the full tensors after gathering them): rank r packs
-    ``iter_buckets(source, "cuda_ipc")`` on its own GPU, the driver merges them, and each engine
-    worker finds the handle for its GPU. Every rank must pack the same tensors in the same
-    buckets, and keep its buckets alive until ``update_weights`` returns."""
+    """One update from the CUDA IPC buckets of several trainer ranks colocated with the engines.
+
+    Args:
+        per_rank: each rank's buckets (``iter_buckets(source, "cuda_ipc")`` on its own GPU).
+
+    Raises:
+        RefitError: no ranks, ranks that packed other buckets or tensors than rank 0, a bucket
+            not of ``cuda_ipc``, two ranks on one GPU.
+
+    For FSDP or Megatron ranks, each holding the full tensors after gathering them: the driver
+    merges their buckets, and each engine worker finds the handle for its GPU. Every rank must
+    pack the same tensors in the same buckets, and keep its buckets alive until
+    ``update_weights`` returns."""
     if not per_rank:
         raise RefitError("merge_buckets takes each trainer rank's buckets; got none")
     counts = {len(b) for b in per_rank}
@@ -191,12 +208,20 @@ def iter_buckets(
     check_finite: bool = True,
     devices: Sequence[str] | None = None,
 ) -> Iterator[WeightBucket]:
-    """Trainer-side helper: pack ``source`` into buckets of about ``bucket_bytes`` (None:
-    ``default_bucket_bytes``). Buckets are made one at a time, so a cast or a copy into shared
-    memory or a flat GPU buffer never holds more than one bucket beyond the model. Tensors of one
-    module group (``module_group``) never straddle two buckets: engines fuse siblings such as
-    q/k/v or gate/up and must receive them together. Each bucket is checked for NaN and infinite
-    values after the cast (``check_finite``). ``devices``: as ``pack_bucket``'s."""
+    """Trainer-side helper: pack ``source`` into buckets for ``transport``, one at a time.
+
+    Args:
+        source: a module or a state dict.
+        bucket_bytes: about this many bytes a bucket (None: ``default_bucket_bytes``).
+        dtype, check_finite, devices: as ``pack_bucket``'s.
+
+    Raises:
+        RefitError: for a bad source or argument (before any bucket), or a bucket that holds a
+            NaN or an infinity (``check_finite``).
+
+    A cast or a copy into shared memory or a flat GPU buffer never holds more than one bucket
+    beyond the model. Tensors of one module group (``module_group``) never straddle two buckets:
+    engines fuse siblings such as q/k/v or gate/up and must receive them together."""
     for group in bucket_groups(source, bucket_bytes, dtype):
         yield pack_bucket(group, transport, dtype=dtype, check_finite=check_finite, devices=devices)
 
@@ -206,8 +231,10 @@ def bucket_groups(
     bucket_bytes: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The named tensors of each bucket ``iter_buckets`` packs (module groups kept whole), once
-    the source and the arguments passed their checks."""
+    """The named tensors of each bucket ``iter_buckets`` packs (module groups kept whole).
+
+    Raises:
+        RefitError: for a bad source, ``bucket_bytes`` or ``dtype`` (checked first)."""
     check_source(source)
     check_bucket_bytes(bucket_bytes)
     check_dtype(dtype)
@@ -248,9 +275,17 @@ def pack_bucket(
     check_finite: bool = True,
     devices: Sequence[str] | None = None,
 ) -> WeightBucket:
-    """Pack named tensors for ``transport`` (casting to ``dtype`` first when given). RefitError
-    if a tensor holds a NaN or an infinity, after the cast (unless ``check_finite`` is False).
-    ``devices``: for ``cuda_ipc``, the UUIDs of the GPUs to make handles for (the engines')."""
+    """Pack named tensors for ``transport``.
+
+    Args:
+        named: (name, tensor) pairs.
+        dtype: cast to it first (None: no cast).
+        check_finite: check the values, after the cast.
+        devices: for ``cuda_ipc``, the UUIDs of the GPUs to make handles for (the engines').
+
+    Raises:
+        RefitError: a tensor holds a NaN or an infinity (``check_finite``); for ``cuda_ipc``, a
+            GPU of ``devices`` the source's GPU cannot reach."""
     names, tensors = [], []
     for name, tensor in named:
         t = tensor.detach()

@@ -148,10 +148,15 @@ class Channel:
             raise self._closed(exc) from None
 
     def result(self, timeout_s: float | None = None) -> Any:
-        """The answer to the oldest request not yet answered: what the rank's handler returned,
-        or what it raised. A rank that has not answered within ``timeout_s`` (None: no limit) is
-        wedged: the channel closes (its answers would come out of step) and the rank's death is
-        raised, ``WorkerError(died=True)``."""
+        """The answer to the oldest request not yet answered: what the rank's handler returned.
+
+        Args:
+            timeout_s: how long the rank may take (None: no limit).
+
+        Raises:
+            What the rank's handler raised; WorkerError: the channel closed, or (``died=True``) the
+                rank did not answer within ``timeout_s`` (wedged: the channel closes, as its
+                answers would come out of step)."""
         try:
             if timeout_s is not None and not self._conn.poll(timeout_s):
                 self.close()
@@ -232,12 +237,20 @@ class EngineChannels:
         pickled: Callable[[WeightBucket, int], bytes],
         timeout_s: float | None = None,
     ) -> None:
-        """Every engine rank loads ``bucket``: a kept layout its engine holds by name alone, else
-        with ``pickled(bucket, engine)``, which a rank that no longer holds the layout gets next.
-        Every rank answers (within ``timeout_s`` each, or it is wedged: ``Channel.result``)
-        before an error is raised (no rank still reads what the next refit writes), an engine's
-        death first; a failure that leaves answers unread closes the channels (later refits go
-        through the actors)."""
+        """Have every engine rank load ``bucket``.
+
+        Args:
+            bucket: a validated bucket; a kept layout its engine holds goes by name alone.
+            pickled: ``pickled(bucket, engine)``, what engine ``engine`` is sent otherwise (and a
+                rank that no longer holds the layout gets next).
+            timeout_s: how long each rank may take (``Channel.result``).
+
+        Raises:
+            WorkerError, or what a rank raised: once every rank answered (no rank still reads what
+                the next refit writes), an engine's death first.
+
+        A failure that leaves answers unread closes the channels (later refits go through the
+        actors)."""
         layout, errors = bucket.layout, []
         ranks = [(i, rank) for i, engine in enumerate(self.channels) for rank in engine]
 

@@ -20,7 +20,10 @@ CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_source(source: Any) -> None:
-    """RefitError unless ``source`` is a module or a mapping of names to torch tensors."""
+    """Check a refit's source.
+
+    Raises:
+        RefitError: unless ``source`` is a module or a mapping of names to torch tensors."""
     if isinstance(source, torch.nn.Module):
         return
     if not isinstance(source, Mapping):
@@ -34,7 +37,10 @@ def check_source(source: Any) -> None:
 
 
 def check_readable(named: Named) -> None:
-    """RefitError unless every tensor of a source holds values (none is on the meta device)."""
+    """Check that every tensor of a source holds values.
+
+    Raises:
+        RefitError: naming the tensors on the meta device."""
     empty = [name for name, tensor in named if tensor.is_meta]
     if empty:
         raise RefitError(
@@ -45,7 +51,10 @@ def check_readable(named: Named) -> None:
 
 
 def check_dtype(dtype: Any) -> None:
-    """RefitError unless ``dtype`` (a refit's cast) is None or one of ``CAST_DTYPES``."""
+    """Check a refit's cast.
+
+    Raises:
+        RefitError: unless ``dtype`` is None or one of ``CAST_DTYPES``."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype in CAST_DTYPES):
         hint = f" (pass torch.{dtype})" if isinstance(dtype, str) and hasattr(torch, dtype) else ""
         raise RefitError(
@@ -54,7 +63,10 @@ def check_dtype(dtype: Any) -> None:
 
 
 def check_bucket_bytes(bucket_bytes: Any) -> None:
-    """RefitError unless ``bucket_bytes`` is None or a positive integer."""
+    """Check a refit's bucket size.
+
+    Raises:
+        RefitError: unless ``bucket_bytes`` is None or a positive integer."""
     if bucket_bytes is not None and (
         isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0
     ):
@@ -64,8 +76,16 @@ def check_bucket_bytes(bucket_bytes: Any) -> None:
 
 
 def check_against_spec(metas: Iterable[TensorMeta], expected: WeightSpec, partial: bool = False) -> None:
-    """Raise RefitError listing every unknown name, shape or dtype mismatch, and every tensor of
-    the served model the update leaves out (``partial``: of the module groups it sends)."""
+    """Check an update's tensors against the served model's.
+
+    Args:
+        metas: the update's names, shapes and dtypes.
+        expected: the served model's ``WeightSpec``.
+        partial: the update need cover only the module groups it sends.
+
+    Raises:
+        RefitError: listing every unknown name, shape or dtype mismatch, and every tensor of
+            the served model the update leaves out."""
     metas = list(metas)
     problems = []
     for m in metas:
@@ -91,8 +111,14 @@ def check_against_spec(metas: Iterable[TensorMeta], expected: WeightSpec, partia
 
 
 def check_reach(bucket: WeightBucket, engine_devices: Iterable[str]) -> None:
-    """RefitError unless a CUDA IPC bucket holds a handle for each of ``engine_devices`` (GPU
-    UUIDs), checked on the driver before anything is sent."""
+    """Check, on the driver before anything is sent, that a CUDA IPC bucket reaches every engine.
+
+    Args:
+        bucket: a packed bucket (of any transport: only ``cuda_ipc`` ones are checked).
+        engine_devices: the UUIDs of the engines' GPUs.
+
+    Raises:
+        RefitError: listing each engine GPU the bucket holds no handle for."""
     engine_devices = list(engine_devices)
     missing = sorted(set(engine_devices) - set(bucket.payload)) if bucket.transport == "cuda_ipc" else []
     if missing:
@@ -179,10 +205,13 @@ T = TypeVar("T")
 
 @torch.no_grad()
 def graphed(fn: Callable[[], T], device: torch.device) -> tuple[torch.cuda.CUDAGraph, T]:
-    """``fn`` (work on GPU ``device``) captured as a CUDA graph, on a stream of its own after a
-    first run off the capture (lazy initialisation): the graph, which replays on the current
-    stream, and what ``fn`` returned in the capture (outputs each replay rewrites). The calling
-    thread keeps its stream when the capture fails."""
+    """``fn`` captured as a CUDA graph; returns the graph and what ``fn`` returned in the capture.
+
+    Args:
+        fn: work on GPU ``device``, run once off the capture first (lazy initialisation).
+
+    The graph replays on the current stream and rewrites the outputs ``fn`` returned. The
+    capture runs on a stream of its own: the calling thread keeps its stream when it fails."""
     with torch.cuda.device(device):
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -196,12 +225,18 @@ def graphed(fn: Callable[[], T], device: torch.device) -> tuple[torch.cuda.CUDAG
 
 
 def require_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """RefitError naming every tensor that holds a NaN or an infinity."""
+    """Check the values of ``named``.
+
+    Raises:
+        RefitError: naming every tensor that holds a NaN or an infinity."""
     reject_nonfinite(nonfinite(named))
 
 
 def reject_nonfinite(bad: list[str]) -> None:
-    """RefitError naming the tensors ``bad`` (holding a NaN or an infinity), if any."""
+    """Reject an update whose tensors ``bad`` (names) hold a NaN or an infinity.
+
+    Raises:
+        RefitError: naming them, if there are any."""
     if bad:
         raise RefitError(
             f"weight update rejected: {len(bad)} tensor(s) hold NaN or infinite values; nothing of "

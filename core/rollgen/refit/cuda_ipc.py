@@ -73,9 +73,16 @@ def device_uuid(device: torch.device | int | None = None) -> str:
 
 
 def ipc_targets(tensors: Sequence[torch.Tensor], devices: Sequence[str] | None = None) -> list[torch.device]:
-    """The GPUs a ``cuda_ipc`` bucket of ``tensors`` gets a flat buffer on, the tensors' own GPU
-    first: the GPUs of ``devices`` (UUIDs; each must be visible here), else the tensors' GPU, or
-    (for CPU tensors) every visible GPU."""
+    """The GPUs a ``cuda_ipc`` bucket of ``tensors`` gets a flat buffer on, the tensors' own first.
+
+    Args:
+        tensors: the bucket's tensors (all on one device).
+        devices: the engines' GPUs (UUIDs); None: the tensors' GPU, or (CPU tensors) every
+            visible GPU.
+
+    Raises:
+        RefitError: tensors on several devices, no CUDA, or a GPU of ``devices`` not visible
+            here (nothing was sent)."""
     on = {t.device for t in tensors}
     if len(on) > 1:
         raise RefitError(f"cuda_ipc bucket tensors sit on several devices {sorted(map(str, on))}")

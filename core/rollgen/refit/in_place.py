@@ -92,11 +92,20 @@ class InPlaceSources:
         self._noted = _fingerprint(named)
 
     def pack(self, named: Named, receivers: int, check_finite: bool) -> WeightBucket:
-        """The bucket that has the engines read ``named`` in place (``applies`` was true; when
-        they are not the tensors read in place already, none are: a changed source released
-        them), exported for ``receivers`` engine workers, once the trainer's work on them is
-        done. RefitError, before anything is sent, where torch cannot export a storage, and
-        with ``check_finite`` where a tensor holds a NaN or an infinity (``GraphedCheck``)."""
+        """The bucket that has the engines read ``named`` in place, once the trainer's work on
+        them is done.
+
+        Args:
+            named: the source (``applies`` was true).
+            receivers: how many engine workers it is exported for.
+            check_finite: check the values (``GraphedCheck``).
+
+        Raises:
+            RefitError: before anything is sent, where torch cannot export a storage, or a tensor
+                holds a NaN or an infinity (``check_finite``).
+
+        When they are not the tensors read in place already, none are: a changed source released
+        them."""
         if self._sources is None:
             self._generation = uuid.uuid4().hex
             try:

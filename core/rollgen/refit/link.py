@@ -33,8 +33,13 @@ class Packing(NamedTuple):
 def pack_with(
     transport: Transport, groups: list[Named], dtype: torch.dtype | None, devices: tuple[str, ...]
 ) -> Packing:
-    """Packing over ``transport``, with a handle for each engine GPU of ``devices`` (a source on
-    one GPU reaches engines on others), each bucket loaded before the next is packed."""
+    """Packing over ``transport``, each bucket loaded before the next is packed.
+
+    Args:
+        transport: the engines' ``local_transport``.
+        groups: the buckets' named tensors. dtype: the cast while packing.
+        devices: the engine GPUs a ``cuda_ipc`` bucket gets a handle for (a source on one GPU
+            reaches engines on others)."""
     return Packing(
         groups,
         lambda group, check: pack_bucket(

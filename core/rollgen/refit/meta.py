@@ -81,8 +81,12 @@ class WeightSpec(dict[str, tuple[tuple[int, ...], str]]):
 
     def missing(self, names: Iterable[str], partial: bool = False) -> list[str]:
         """The names a refit sending ``names`` leaves out (a tied tensor is sent under one of
-        its names). ``partial``: only those of the module groups it sends (engines fuse the
-        tensors of a group, so a partial update sends whole groups)."""
+        its names).
+
+        Args:
+            names: what the refit sends.
+            partial: only those of the module groups it sends (engines fuse the tensors of a
+                group, so a partial update sends whole groups)."""
         names = list(names)
         sent = {self.tied.get(n, n) for n in names}
         groups = {module_group(n) for n in names}
@@ -118,9 +122,15 @@ def flatten(
     device: torch.device,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One uint8 buffer on ``device`` holding the bytes of ``tensors`` (described by ``metas``)
-    at ``offsets`` (one fused copy when the tensors are on ``device`` already); ``out``: that
-    buffer, given (at least ``offsets[-1]`` bytes)."""
+    """One uint8 buffer on ``device`` holding the bytes of ``tensors``.
+
+    Args:
+        tensors: what to copy (cast to their ``metas``' dtypes as they are copied).
+        metas, offsets: the buffer's layout (``flat_offsets``).
+        device: where the buffer is.
+        out: that buffer, given (at least ``offsets[-1]`` bytes); None: a new one.
+
+    One fused copy when the tensors are on ``device`` already."""
     buf = torch.empty(offsets[-1], dtype=torch.uint8, device=device) if out is None else out
     copy_into(unflatten(buf, metas, offsets), tensors)
     return buf

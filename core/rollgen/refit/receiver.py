@@ -29,11 +29,16 @@ def release_staged(keys: Iterable[str]) -> None:
 def unpack_request(
     layout: str, data: bytes | None, device: torch.device | str | None = None
 ) -> tuple[list[tuple[str, torch.Tensor]], bool] | None:
-    """The named tensors of a bucket sent as ``(layout, data)``: ``data`` its pickle
-    (``WeightBucket.unpack``), None for a layout this process holds; and whether they are kept.
-    A kept layout's tensors are views of kept mappings, the same list each time it comes (do not
-    change it) until ``release_staged``. None: ``data`` is None and the layout is not held here
-    (send the pickle)."""
+    """The named tensors of a bucket sent as ``(layout, data)``, and whether they are kept.
+
+    Args:
+        layout: the bucket's kept layout ("": none).
+        data: the bucket's pickle (``WeightBucket.unpack``); None for a layout this process holds.
+        device: for ``cuda_ipc``, the GPU to map it on.
+
+    Returns None where ``data`` is None and the layout is not held here (send the pickle). A kept
+    layout's tensors are views of kept mappings, the same list each time it comes (do not change
+    it) until ``release_staged``."""
     named = _unpacked.pop(layout, None) if layout else None
     if named is not None:
         _unpacked[layout] = named  # the most recent now

@@ -61,7 +61,10 @@ class RefitStaging:
 
     def allocate(self, devices: Sequence[str], nbytes: int) -> None:
         """New buffers of ``nbytes`` on the GPUs ``devices`` (UUIDs visible here), replacing any
-        (whose receivers must have released them)."""
+        (whose receivers must have released them).
+
+        Raises:
+            RefitError: a GPU cannot hold one (nothing was sent); a GPU not visible here."""
         self.release()
         self._generation = uuid.uuid4().hex
         try:
@@ -78,10 +81,18 @@ class RefitStaging:
 
     @torch.no_grad()
     def pack(self, named: Named, dtype: torch.dtype | None, check_finite: bool) -> WeightBucket:
-        """One bucket packed into the buffers (cast to ``dtype`` as it is copied; with
-        ``check_finite``, RefitError before it is sent if the cast made a NaN or an infinity),
-        finished on every GPU before it returns. Its payload names the GPUs; ``pickled`` gives
-        each receiver's pickle of it, with that receiver's handles."""
+        """One bucket packed into the buffers, finished on every GPU before it returns.
+
+        Args:
+            named: the bucket's tensors. dtype: cast to it as they are copied.
+            check_finite: check the packed values.
+
+        Raises:
+            RefitError: before it is sent, a packed value that is a NaN or an infinity
+                (``check_finite``).
+
+        Its payload names the GPUs; ``pickled`` gives each receiver's pickle of it, with that
+        receiver's handles."""
         tensors = [t for _, t in named]
         key = (dtype, tensors[0].device if tensors else None, tuple((n, t.shape, t.dtype) for n, t in named))
         layout = self._layouts.get(key) or self._layout(key, named, dtype)

@@ -36,9 +36,15 @@ logger = logging.getLogger(__name__)
 
 
 class WeightUpdates:
-    """The weight updates of the generation named ``name``, applied through ``link``;
-    ``expected`` reads the served model's ``WeightSpec`` (once); ``streams`` holds the samples an
-    update may meet in flight. The generation's lock is held around every method."""
+    """One generation's weight updates, from validation to settlement.
+
+    Args:
+        name: the generation's (backend's) name, for messages.
+        link: how updates reach the engines (``rollgen.refit.link.EngineLink``).
+        expected: reads the served model's ``WeightSpec`` (called once).
+        streams: the streamed samples an update may meet in flight.
+
+    The generation's lock is held around every method."""
 
     def __init__(
         self, name: str, link: EngineLink, expected: Callable[[], WeightSpec], streams: Streams
@@ -73,14 +79,22 @@ class WeightUpdates:
         return self._spec
 
     def check(self, metas: Iterable[TensorMeta], partial: bool = False) -> None:
-        """RefitError (listing every problem) unless the tensors match the served model and
-        cover all of it (``partial``: whole module groups of it)."""
+        """Check tensors against the served model (``checks.check_against_spec``).
+
+        Raises:
+            RefitError: listing every mismatch, and what of the model they leave out
+                (``partial``: of the module groups they send)."""
         check_against_spec(metas, self.spec, partial)
 
     # ---- updates from this process ------------------------------------------------------------
     def apply_buckets(self, buckets: list[WeightBucket], partial: bool, mode: UpdateMode) -> None:
-        """Check packed ``buckets`` against the served model and the engines' GPUs, then apply
-        them with the samples in flight handled per ``mode``."""
+        """Apply packed ``buckets``, with the samples in flight handled per ``mode``.
+
+        Raises:
+            RefitError: before anything is applied, for buckets that do not match the served
+                model (``partial``: whole module groups of it) or do not reach every engine GPU.
+
+        A failure after the first bucket reached the engines marks the generation stale."""
         self.check((m for b in buckets for m in b.metas), partial)
         for b in buckets:
             check_reach(b, self.link.engine_devices)
@@ -97,8 +111,18 @@ class WeightUpdates:
         check_finite: bool,
         mode: UpdateMode,
     ) -> None:
-        """Validate ``source`` (``BaseGeneration.refit`` says how), then pack and apply it, or
-        broadcast it when this process is the group's sender."""
+        """Validate ``source``, then pack and apply it, or broadcast it when this process is the
+        group's sender.
+
+        Args:
+            source, bucket_bytes, dtype, partial, check_finite, mode: as
+                ``BaseGeneration.refit``'s.
+
+        Raises:
+            RefitError: as ``BaseGeneration.refit`` says.
+
+        The checks against the served model are kept for the layout a trainer refits every step
+        (names, shapes, dtypes, the cast), and so are its buckets."""
         check_source(source)
         check_bucket_bytes(bucket_bytes)
         check_dtype(dtype)
@@ -173,14 +197,28 @@ class WeightUpdates:
     def sync_spec(
         self, address: str, port: int, backend: SyncBackend | None, timeout_s: float
     ) -> SyncGroupSpec:
-        """The spec of a group of the sender and every engine rank (``backend`` None: NCCL if
-        the engines receive on GPUs, else gloo)."""
+        """The spec of a group of the sender and every engine rank.
+
+        Args:
+            address, port, timeout_s: as ``SyncGroupSpec``'s.
+            backend: None: NCCL if the engines receive on GPUs, else gloo.
+
+        Raises:
+            RefitError: for an invalid spec."""
         if backend is None:
             backend = "nccl" if self.link.sync_device.type == "cuda" else "gloo"
         return SyncGroupSpec(address, port, 1 + self.link.weight_sync_ranks, backend, timeout_s)
 
     def init_weight_sync(self, spec: SyncGroupSpec, local_sender: bool) -> None:
-        """Have every engine rank join ``spec``'s group (``BaseGeneration.init_weight_sync``)."""
+        """Have every engine rank join ``spec``'s group (``BaseGeneration.init_weight_sync``).
+
+        Args:
+            spec: the sender's spec. local_sender: this process is the sender.
+
+        Raises:
+            RefitError: a spec with port 0 from another sender, a world size these engines do not
+                have, a local sender for an engine in this process, an NCCL group whose ranks
+                would share a GPU."""
         if spec.port == 0 and not local_sender:
             raise RefitError(
                 "the spec's port is 0: pass the sender's spec (rollgen.WeightSender(spec).spec), which "
@@ -229,7 +267,11 @@ class WeightUpdates:
             )
 
     def update_from_collective(self, mode: UpdateMode) -> None:
-        """Receive the update the trainer's ``WeightSender.send`` broadcasts."""
+        """Receive the update the trainer's ``WeightSender.send`` broadcasts.
+
+        Raises:
+            RefitError: no group, or this process is its sender; and what ``weight_sync.receive``
+                raises (a failure while applying marks the generation stale)."""
         if self.weight_sync is None:
             raise RefitError(f"{self.name}: no weight-sync group; call init_weight_sync first")
         if self._sender is not None:
@@ -260,7 +302,10 @@ class WeightUpdates:
         self._settle(partial)
 
     def require_fresh(self) -> None:
-        """StaleWeights unless the last update that failed part-way was followed by a complete one."""
+        """Check that the engine holds no mix of old and new weights.
+
+        Raises:
+            StaleWeights: an update failed part-way and no complete one followed."""
         if self.stale is not None:
             raise StaleWeights(
                 f"{self.name}: {self.stale}; the engine may hold a mix of old and new weights. "

@@ -61,12 +61,21 @@ _PREFIX = "rollgen-weight-sync"
 
 @dataclass(frozen=True)
 class SyncGroupSpec:
-    """Where a weight-sync group meets: the sender (rank 0) hosts a TCP store at
-    ``address:port``, listening on that address only; ``world_size`` is 1 + the engine ranks.
-    ``secret`` (fresh for each spec unless given) is what makes a rank a member: every rank
-    proves it holds it before anything is sent, and every manifest and error carries its tag.
-    Hand the spec itself on (the trainer's process to the generation's): never the secret over
-    the group's own network in the clear."""
+    """Where a weight-sync group meets, and the secret that makes a rank a member.
+
+    Args:
+        address, port: where the sender (rank 0) hosts the group's TCP store, listening on that
+            address only (port 0: a free one).
+        world_size: 1 + the engine ranks.
+        backend: "gloo" (CPU) or "nccl" (CUDA).
+        secret: fresh for each spec unless given.
+
+    Raises:
+        RefitError: listing every invalid field.
+
+    Every rank proves it holds the secret before anything is sent, and every manifest and error
+    carries its tag. Hand the spec itself on (the trainer's process to the generation's): never
+    the secret over the group's own network in the clear."""
 
     address: str
     port: int
@@ -185,8 +194,11 @@ class SyncGroup:
         return [t.cpu().numpy().tobytes() for t in out]
 
     def wait(self, work: Any, what: str) -> None:
-        """Wait for a collective; its failure breaks the group, as a ``RefitError`` (``stale``
-        while an update is being applied)."""
+        """Wait for a collective (``work``), ``what`` naming it in the error.
+
+        Raises:
+            RefitError: the collective failed, which breaks the group (``stale`` while an update
+                is being applied)."""
         try:
             work.wait()
         except RuntimeError as exc:
@@ -213,6 +225,7 @@ class SyncGroup:
             self._applying = False
 
     def check_usable(self) -> None:
+        """Raises RefitError if the group broke earlier (make a new one)."""
         if self.broken is not None:
             raise RefitError(
                 f"the weight-sync group at {self.spec.where} broke earlier ({self.broken}): make a new one "
@@ -357,7 +370,10 @@ def _is_loopback(address: str) -> bool:
 
 def open_store(spec: SyncGroupSpec, host: bool) -> dist.TCPStore:
     """The group's TCP store: hosted here (``host``; port 0: a free one), listening on the
-    spec's address alone; or connected to."""
+    spec's address alone; or connected to.
+
+    Raises:
+        RefitError: the store cannot be hosted at the spec's address and port."""
     fd = None
     if host:
         try:
@@ -384,10 +400,20 @@ def open_store(spec: SyncGroupSpec, host: bool) -> dist.TCPStore:
 
 
 class WeightSender:
-    """The trainer's end of a weight-sync group: rank 0, the broadcasts' root. It hosts the
-    group's TCP store at once (``spec.port`` 0: a free port); ``self.spec`` is the spec with
-    the port, for the generation's ``init_weight_sync``. ``connect()`` (or the first ``send``)
-    joins the group while ``init_weight_sync`` runs; both return once every rank has joined."""
+    """The trainer's end of a weight-sync group: rank 0, the broadcasts' root.
+
+    Args:
+        spec: the generation's ``weight_sync_spec``.
+        device: the GPU an NCCL group sends from (None: the current CUDA device); gloo sends
+            from host memory.
+
+    Raises:
+        RefitError: the group's store cannot be hosted at the spec's address and port.
+
+    It hosts the group's TCP store at once (``spec.port`` 0: a free port); ``self.spec`` is the
+    spec with the port, for the generation's ``init_weight_sync``. ``connect()`` (or the first
+    ``send``) joins the group while ``init_weight_sync`` runs; both return once every rank has
+    joined."""
 
     def __init__(self, spec: SyncGroupSpec, device: torch.device | None = None) -> None:
         self._store = open_store(spec, host=True)
@@ -416,11 +442,17 @@ class WeightSender:
         partial: bool = False,
         check_finite: bool = True,
     ) -> None:
-        """Broadcast ``source`` (a module or a state dict) to every engine rank, while the
-        generation's ``update_weights_from_collective`` receives it. Arguments as ``refit``'s.
-        RefitError if the source or the engines reject it (nothing applied), or if an engine
-        failed while applying it (``stale``: the generation refuses to generate until a
-        complete refit)."""
+        """Broadcast ``source`` to every engine rank, while the generation's
+        ``update_weights_from_collective`` receives it.
+
+        Args:
+            source: a module or a state dict.
+            bucket_bytes, dtype, partial, check_finite: as the generation's ``refit``'s.
+
+        Raises:
+            RefitError: the source or the engines reject it (nothing applied), or an engine failed
+                while applying it (``stale``: the generation refuses to generate until a complete
+                refit); a group that broke earlier."""
         group = self.group
         group.check_usable()
         groups: list[list[tuple[str, torch.Tensor]]] = []
@@ -485,9 +517,17 @@ class WeightSender:
 def receive(
     group: SyncGroup, spec: WeightSpec, load: Callable[[list[tuple[str, torch.Tensor]]], None]
 ) -> bool:
-    """An engine rank's part of one update: check the manifest against ``spec``, then receive
-    each bucket and ``load`` its named tensors (views of a receive buffer that the next buckets
-    reuse: copy them). Returns whether the update was partial."""
+    """An engine rank's part of one update; returns whether the update was partial.
+
+    Args:
+        group: this rank's end of the group.
+        spec: the served model's, which the update's manifest is checked against first.
+        load: takes each bucket's named tensors (views of a receive buffer that the next
+            buckets reuse: copy them).
+
+    Raises:
+        RefitError: the update rejected by any rank (nothing applied), a load or the group that
+            failed while applying (``stale``), a group that broke earlier."""
     group.check_usable()
     buckets, partial = _manifest_from(group.share(None, root=0))
     rejection = None
