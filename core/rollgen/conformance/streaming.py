@@ -22,7 +22,8 @@ from rollgen.conformance.checks import (
     assert_same_tokens,
     can_refit,
     fp32_bound,
-    skip_unless_declared,
+    requires,
+    skip_unless,
 )
 from rollgen.output import STOP_REASONS, generated_mask
 from rollgen.rollout import STRAY_REPORT, Rollout, SampleResult
@@ -140,6 +141,8 @@ def served(engine: Any, weights: Any, back: Any) -> Iterator[None]:
 class StreamingTests:
     """``submit`` on the shared engine, which ends each test on its original weights, idle."""
 
+    __requires__ = ("async",)
+
     @pytest.fixture(autouse=True)
     def reported_once(self, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
         """After each test: the backend reported no sample that was not running."""
@@ -152,7 +155,7 @@ class StreamingTests:
         )
 
     def gate(self, engine: Any, caps: frozenset[Capability], batch: dict[str, torch.Tensor]) -> None:
-        skip_unless_declared(Capability.ASYNC in caps, "async", lambda: engine.submit(batch))
+        skip_unless(caps, "async", lambda: engine.submit(batch))
 
     def test_stream_equals_generate(
         self,
@@ -271,6 +274,7 @@ class StreamingTests:
             greedy_out["output_ids"],
         )
 
+    @requires("refit")
     @pytest.mark.parametrize("mode", ["keep", "abort", "wait"])
     def test_update_in_flight(
         self,
@@ -285,9 +289,8 @@ class StreamingTests:
         greedy_out: dict[str, torch.Tensor],
     ) -> None:
         self.gate(engine, caps, batch)
-        if not can_refit(caps):
-            pytest.skip("no refit declared")
         old, new = references(model_dir, "float32"), references(other_model_dir, "float32")
+        skip_unless(caps, "refit", lambda: engine.refit(new))
         engine.refit(new)
         try:
             running = engine.weight_version
