@@ -98,17 +98,48 @@ def pytest_runtest_setup(item):
     assert "claimed broken" in failed["error"], "a failure's text is in the report"
 
 
-def test_undeclared_capabilities_are_asserted_then_skipped(suite: pytest.Pytester) -> None:
-    """'bare' declares no refit and no text path: each gate checks the UnsupportedCapability."""
-    result = suite.runpytest_inprocess(*SUITE, "--rollgen-backend=bare", "-rs", "-k", "refit or text_path")
+def test_undeclared_capabilities_are_asserted_then_skipped(suite: pytest.Pytester, tmp_path) -> None:
+    """'bare' declares no refit and no text path: each gate checks the UnsupportedCapability; the
+    skip names the area and the test, and the report lists what each test requires."""
+    report = tmp_path / "report.json"
+    result = suite.runpytest_inprocess(
+        *SUITE, "--rollgen-backend=bare", "-rs", f"--rollgen-report={report}", "-k", "refit or text_path"
+    )
     outcomes = result.parseoutcomes()
     assert set(outcomes) - {"deselected"} == {"skipped"} and outcomes["skipped"] >= 3, outcomes
     result.stdout.fnmatch_lines(
         [
-            "*OutputContractTests: text not declared (UnsupportedCapability asserted)*",
-            "*refit (refit_tensors or refit_ipc) not declared (UnsupportedCapability asserted)*",
+            "*OutputContractTests::test_text_path: text not declared (UnsupportedCapability asserted)*",
+            "*RefitTests::test_refit_follows_new_weights: refit (refit_ipc or refit_tensors) not declared*",
         ]
     )
+    tests = {t["test"].split("::")[-1]: t for t in json.loads(report.read_text())["tests"]}
+    assert tests["test_text_path"]["details"]["requires"] == ["text"], tests["test_text_path"]
+    assert tests["test_text_path"]["reason"].endswith("text not declared (UnsupportedCapability asserted)")
+
+
+def test_capability_gates_are_markers_at_collection(suite: pytest.Pytester) -> None:
+    """``-m requires_<name>`` selects the gated tests without running them: every streaming test
+    (its area's ``__requires__``), and each test marked ``requires``; the areas run in
+    ``BackendConformance.areas`` order whatever the bases' order."""
+    from rollgen.conformance.base import AREAS
+
+    def collected(*args: str) -> list[str]:
+        result = suite.runpytest_inprocess(*SUITE, "--rollgen-backend=bare", "--collect-only", "-q", *args)
+        return [line.rsplit("::", 1)[1] for line in result.stdout.lines if "::" in line]
+
+    assert collected("-m", "requires_async") == [
+        "test_stream_equals_generate",
+        "test_cancel",
+        "test_update_in_flight[keep]",
+        "test_update_in_flight[abort]",
+        "test_update_in_flight[wait]",
+    ]
+    assert collected("-m", "requires_text") == ["test_text_path"]
+    every = collected()
+    order = [a for a in AREAS for name in every if name.split("[")[0] in vars(a)]
+    assert order == sorted(order, key=AREAS.index), "the tests run area by area, in AREAS order"
+    assert every[0] == "test_registration" and every[-1] == "test_broken_model_folders_are_config_errors"
 
 
 @pytest.mark.parametrize(

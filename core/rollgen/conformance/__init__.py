@@ -16,6 +16,7 @@ xfails) through ``rollgen_conformance_known_failures``.
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import json
 import platform
 from pathlib import Path
@@ -25,6 +26,7 @@ import pytest
 
 import rollgen
 from rollgen.conformance.base import BackendConformance
+from rollgen.conformance.checks import REQUIREMENTS, describe, requirement_marker
 from rollgen.conformance.fixtures import usable_backend
 from rollgen.conformance.pool import FAILED
 from rollgen.conformance.time_limit import limited
@@ -130,6 +132,11 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    for name in REQUIREMENTS:
+        config.addinivalue_line(
+            "markers",
+            f"{requirement_marker(name)}: a suite test the backend must declare {describe(name)} for",
+        )
     report = config.stash[_REPORT] = _JsonReport(config)
     config.pluginmanager.register(report, "rollgen-json-report")
 
@@ -162,11 +169,19 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         raise pytest.UsageError(reason) from exc
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each suite test carries its area's and its own ``__requires__`` as markers
+    (``requires_async``...),
+    the suite's tests run in the order of their class's ``areas``, and the backend's known
+    failures are strict xfails."""
+    for item in items:
+        function = getattr(item, "function", None)
+        for name in (*getattr(area_class(item), "__requires__", ()), *getattr(function, "__requires__", ())):
+            item.add_marker(requirement_marker(name))
+    items[:] = in_area_order(items)
     name = config.getoption("--rollgen-backend")
-    if not name:
-        return
-    if name not in get_registry().backends:
+    if not name or name not in get_registry().backends:
         return
     known = get_registry().backend_hook(name, "rollgen_conformance_known_failures") or {}
     for item in items:
@@ -174,6 +189,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason = known.get(item.name) or known.get(test)
         if reason:
             item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+
+
+def in_area_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items``, each run of one suite class's tests sorted by the place of their area in its
+    ``areas`` (tests of an area not listed there last), each area's in the order collected."""
+    ordered: list[pytest.Item] = []
+    for cls, run in itertools.groupby(items, key=lambda i: getattr(i, "cls", None)):
+        tests = list(run)
+        areas = list(getattr(cls, "areas", ()))
+        rank = {a: n for n, a in enumerate(areas)}
+        ordered += sorted(tests, key=lambda i: rank.get(area_class(i), len(areas))) if areas else tests
+    return ordered
+
+
+def requirements(item: pytest.Item) -> list[str]:
+    """The suite requirements ``item`` is marked with (``requires_<name>``), in name order."""
+    prefix = "requires_"
+    return sorted({m.name.removeprefix(prefix) for m in item.iter_markers() if m.name.startswith(prefix)})
 
 
 @pytest.hookimpl(wrapper=True)
@@ -200,11 +233,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.when == "call" and (report.failed or hasattr(report, "wasxfail")):
         item.stash[FAILED] = True  # the shared engine is remade after it (fixtures.engine)
     if report.when == "setup":  # in the details of the call's report
-        item.user_properties.append(("area", area(item)))
+        item.user_properties += [("area", area(item)), ("requires", requirements(item))]
     if report.skipped and isinstance(report.longrepr, tuple) and not hasattr(report, "wasxfail"):
         path, line, reason = report.longrepr
         lead, _, why = reason.rpartition("Skipped: ")
-        report.longrepr = (path, line, f"{lead}Skipped: {area(item)}: {why}")  # -rs names the area
+        report.longrepr = (path, line, f"{lead}Skipped: {area(item)}::{item.name}: {why}")  # -rs names it
     return report
 
 
@@ -212,6 +245,12 @@ def area(item: pytest.Item) -> str:
     """The suite class that defines ``item``'s test (``StreamingTests``, ...)."""
     function = getattr(item, "function", None)
     return function.__qualname__.split(".")[0] if function is not None else ""
+
+
+def area_class(item: pytest.Item) -> type | None:
+    """The class that defines ``item``'s test, where it is a method."""
+    name = area(item)
+    return next((c for c in getattr(getattr(item, "cls", None), "__mro__", ()) if c.__name__ == name), None)
 
 
 class _JsonReport:

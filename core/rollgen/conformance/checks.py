@@ -41,6 +41,57 @@ def raises(error: type[E], what: str, call: Callable[[], object]) -> E:
     pytest.fail(f"{what}: expected {error.__name__}, but the call returned")
 
 
+#: What a gated suite test needs the backend to declare, by name: any one of these capabilities.
+REQUIREMENTS: dict[str, frozenset[Capability]] = {
+    c.value: frozenset({c})
+    for c in (
+        Capability.TEXT,
+        Capability.PROCESSED_LOGPROBS,
+        Capability.STOP_STRINGS,
+        Capability.PER_SAMPLE_SAMPLING,
+        Capability.SLEEP_WAKE,
+        Capability.REFIT_COLLECTIVE,
+        Capability.ASYNC,
+    )
+} | {"refit": frozenset({Capability.REFIT_TENSORS, Capability.REFIT_IPC})}
+
+T = TypeVar("T")
+
+
+def requirement_marker(name: str) -> str:
+    """The marker that shows requirement ``name`` at collection (``-m requires_async``)."""
+    if name not in REQUIREMENTS:
+        raise ValueError(f"no suite requirement {name!r}; known: {sorted(REQUIREMENTS)}")
+    return f"requires_{name}"
+
+
+def requires(*names: str) -> Callable[[T], T]:
+    """Mark a suite test as needing each requirement of ``names`` (``REQUIREMENTS``), as
+    ``__requires__ = (...)`` on an area class marks all its tests (SQLAlchemy's way): the plugin
+    gives each such test a ``requires_<name>`` marker at collection (``-m requires_async``). The
+    test's body gates on each with ``skip_unless``."""
+    for name in names:
+        requirement_marker(name)
+
+    def mark(test: T) -> T:
+        test.__requires__ = (*getattr(test, "__requires__", ()), *names)  # type: ignore[attr-defined]
+        return test
+
+    return mark
+
+
+def describe(name: str) -> str:
+    """``name``, with its capabilities where it stands for several."""
+    caps = sorted(c.value for c in REQUIREMENTS[name])
+    return name if caps == [name] else f"{name} ({' or '.join(caps)})"
+
+
+def skip_unless(caps: frozenset[Capability], name: str, call: Callable[[], object]) -> None:
+    """The gate of requirement ``name`` (which the test is marked with, ``requires``): where
+    ``caps`` meet it, return; else assert that ``call()`` raises UnsupportedCapability, then skip."""
+    skip_unless_declared(bool(REQUIREMENTS[name] & caps), describe(name), call)
+
+
 def skip_unless_declared(declared: bool, what: str, call: Callable[[], object]) -> None:
     """The capability gate of a test: where ``what`` is not declared, assert that ``call()``
     raises UnsupportedCapability, then skip; where it is declared, return."""
@@ -60,7 +111,7 @@ def fp32_bound() -> dict[str, float]:
 
 
 def can_refit(caps: frozenset[Capability]) -> bool:
-    return bool({Capability.REFIT_TENSORS, Capability.REFIT_IPC} & caps)
+    return bool(REQUIREMENTS["refit"] & caps)
 
 
 def check_against_reference(

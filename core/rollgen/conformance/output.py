@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from rollgen.conformance.checks import rows_where, skip_unless_declared
+from rollgen.conformance.checks import requires, rows_where, skip_unless
 from rollgen.registry import RegisteredBackend
 from rollgen.spec import Capability
 from rollgen.testing.prompts import PROMPTS, encode, generated_texts
@@ -145,6 +145,7 @@ class OutputContractTests:
             f"expected {expected}"
         )
 
+    @requires("text")
     def test_text_path(
         self,
         engine: Any,
@@ -154,7 +155,7 @@ class OutputContractTests:
         greedy_out: dict[str, torch.Tensor],
     ) -> None:
         data = {"prompts": PROMPTS}
-        skip_unless_declared(Capability.TEXT in caps, "text", lambda: engine.generate_text(data, greedy=True))
+        skip_unless(caps, "text", lambda: engine.generate_text(data, greedy=True))
         texts = engine.generate_text(data, greedy=True)["texts"]
         expected = generated_texts(tokenizer, greedy_out, batch, skip_special=True)
         assert texts == expected, f"generate_text gave {texts!r}; generate, decoded, gave {expected!r}"

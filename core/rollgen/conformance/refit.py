@@ -14,11 +14,11 @@ import rollgen
 from rollgen.conformance.checks import (
     assert_same_generation,
     assert_same_tokens,
-    can_refit,
     check_against_reference,
     raises,
+    requires,
     rows_where,
-    skip_unless_declared,
+    skip_unless,
 )
 from rollgen.errors import RefitError, StaleWeights
 from rollgen.output import generated_mask
@@ -31,6 +31,7 @@ from rollgen.testing.trainer import start_trainer
 class RefitTests:
     """Refits of the shared engine, which ends each test on its original weights."""
 
+    @requires("refit")
     def test_refit_follows_new_weights(
         self,
         request: pytest.FixtureRequest,
@@ -43,7 +44,7 @@ class RefitTests:
         greedy_out: dict[str, torch.Tensor],
     ) -> None:
         new = references(other_model_dir, "float32")
-        skip_unless_declared(can_refit(caps), "refit (refit_tensors or refit_ipc)", lambda: engine.refit(new))
+        skip_unless(caps, "refit", lambda: engine.refit(new))
         old = references(model_dir, "float32")
         # twice, in the same buckets: an engine that caches how it loads a layout reuses it
         for label in ("", "second_"):
@@ -64,6 +65,7 @@ class RefitTests:
             restored = engine.generate(batch, greedy=True)
             assert_same_generation(request, f"{label}restored", restored, greedy_out)
 
+    @requires("refit")
     def test_bad_refit_rejected(
         self,
         engine: Any,
@@ -77,9 +79,7 @@ class RefitTests:
             k: v.to(engine.engine_dtype)
             for k, v in references(other_model_dir, "float32").state_dict().items()
         }
-        skip_unless_declared(
-            can_refit(caps), "refit (refit_tensors or refit_ipc)", lambda: engine.refit(good)
-        )
+        skip_unless(caps, "refit", lambda: engine.refit(good))
         name = "model.norm.weight"
         bad_cases = {
             "unknown name": (
@@ -123,6 +123,7 @@ class RefitTests:
             "after the rejected refits (the old weights serve)", out["output_ids"], greedy_out["output_ids"]
         )
 
+    @requires("refit")
     def test_partial_refit_of_whole_module_groups(
         self,
         request: pytest.FixtureRequest,
@@ -139,9 +140,7 @@ class RefitTests:
         mixed weights (the complete refit itself is held to the HF reference above)."""
         other = references(other_model_dir, "float32").state_dict()
         group = {k: v for k, v in other.items() if k.startswith("model.layers.0.mlp.")}
-        skip_unless_declared(
-            can_refit(caps), "refit (refit_tensors or refit_ipc)", partial(engine.refit, group, partial=True)
-        )
+        skip_unless(caps, "refit", partial(engine.refit, group, partial=True))
         mixed = {**references(model_dir, "float32").state_dict(), **group}
         engine.refit(group, partial=True, dtype=engine.engine_dtype)
         try:
@@ -156,6 +155,7 @@ class RefitTests:
             "after refitting the original weights", restored["output_ids"], greedy_out["output_ids"]
         )
 
+    @requires("refit")
     def test_a_refit_that_fails_part_way_makes_the_engine_refuse_until_a_complete_refit(
         self,
         engine: Any,
@@ -174,9 +174,7 @@ class RefitTests:
         }
         last = list(state)[-1]
         broken = {**state, last: state[last].clone().as_subclass(Unreadable)}
-        skip_unless_declared(
-            can_refit(caps), "refit (refit_tensors or refit_ipc)", lambda: engine.refit(state)
-        )
+        skip_unless(caps, "refit", lambda: engine.refit(state))
         with pytest.raises(Exception):  # noqa: B017 - whatever the engine raises on an unreadable tensor
             engine.refit(broken, bucket_bytes=64 << 10, check_finite=False)
         raises(StaleWeights, "generate after a refit that failed part-way", partial(engine.generate, batch))
@@ -184,6 +182,7 @@ class RefitTests:
         out = engine.generate(batch, greedy=True)
         assert_same_tokens("after a complete refit", out["output_ids"], greedy_out["output_ids"])
 
+    @requires("refit")
     def test_a_good_refit_restores_an_engine_that_served_nan_weights(
         self,
         engine: Any,
@@ -200,9 +199,7 @@ class RefitTests:
             k: v.to(engine.engine_dtype) for k, v in references(model_dir, "float32").state_dict().items()
         }
         nan = {k: torch.full_like(v, float("nan")) for k, v in good.items()}
-        skip_unless_declared(
-            can_refit(caps), "refit (refit_tensors or refit_ipc)", lambda: engine.refit(good)
-        )
+        skip_unless(caps, "refit", lambda: engine.refit(good))
         engine.refit(nan, check_finite=False)
         engine.generate(batch, greedy=True)
         engine.refit(good)
@@ -216,6 +213,7 @@ class RefitTests:
         restored = engine.generate(batch, greedy=True)
         assert_same_tokens("greedy after the good refit", restored["output_ids"], greedy_out["output_ids"])
 
+    @requires("refit")
     def test_a_refit_from_another_thread_waits_for_a_running_generate(
         self,
         engine: Any,
@@ -229,7 +227,7 @@ class RefitTests:
         """Calls on one generation object from several threads run one at a time: a generate
         running while another thread refits sees the old weights or the new, never a mix."""
         old, new = references(model_dir, "float32"), references(other_model_dir, "float32")
-        skip_unless_declared(can_refit(caps), "refit (refit_tensors or refit_ipc)", lambda: engine.refit(new))
+        skip_unless(caps, "refit", lambda: engine.refit(new))
         try:
             engine.refit(new, dtype=engine.engine_dtype)
             with_new = engine.generate(batch, greedy=True)["output_ids"]
@@ -249,6 +247,7 @@ class RefitTests:
         finally:
             engine.refit(old, dtype=engine.engine_dtype)
 
+    @requires("refit_collective")
     def test_refit_collective(
         self,
         request: pytest.FixtureRequest,
@@ -264,8 +263,8 @@ class RefitTests:
         and broadcasts the other weights (logprobs then agree with an HF reference of them),
         then an update missing a tensor (rejected on both sides, nothing applied), then the
         original weights (the original outputs exactly)."""
-        skip_unless_declared(
-            Capability.REFIT_COLLECTIVE in caps,
+        skip_unless(
+            caps,
             "refit_collective",
             lambda: engine.weight_sync_spec("127.0.0.1"),
         )

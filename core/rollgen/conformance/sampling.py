@@ -15,7 +15,8 @@ from rollgen.conformance.checks import (
     assert_same_tokens,
     check_against_reference,
     fp32_bound,
-    skip_unless_declared,
+    requires,
+    skip_unless,
 )
 from rollgen.conformance.statistics import FALSE_FAILURE, implausible_counts
 from rollgen.output import generated_mask
@@ -61,6 +62,7 @@ class SamplingTests:
         again = engine.generate(batch, greedy=True)
         assert_same_generation(request, "repeat", again, greedy_out)
 
+    @requires("per_sample_sampling")
     def test_per_sample_sampling(
         self,
         engine: Any,
@@ -72,9 +74,7 @@ class SamplingTests:
         data["temperature"] = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0])
         data["max_new_tokens"] = torch.tensor([2, 5, 12, 12, 3])
         data["seed"] = torch.tensor([1, 2, 3, 4, 5])
-        skip_unless_declared(
-            Capability.PER_SAMPLE_SAMPLING in caps, "per_sample_sampling", lambda: engine.generate(data)
-        )
+        skip_unless(caps, "per_sample_sampling", lambda: engine.generate(data))
         out = engine.generate(data)
         lengths = out["generation_lengths"]
         assert (lengths <= data["max_new_tokens"]).all(), (
@@ -114,6 +114,7 @@ class SamplingTests:
             f"from a generator shared by the batch. Generated (batch, reversed batch): {differ}"
         )
 
+    @requires("stop_strings")
     def test_stop_strings_per_sample(
         self,
         engine: Any,
@@ -126,9 +127,7 @@ class SamplingTests:
         stop = texts[0].strip().split(" ")[1] if len(texts[0].split()) > 1 else None
         assert stop, f"the tiny model's greedy output {texts[0]!r} is too short for this test"
         data = dict(batch, stop_strings=[[stop], None, ["never-seen"], None, None])
-        skip_unless_declared(
-            Capability.STOP_STRINGS in caps, "stop_strings", lambda: engine.generate(data, greedy=True)
-        )
+        skip_unless(caps, "stop_strings", lambda: engine.generate(data, greedy=True))
         out = engine.generate(data, greedy=True)
         base_len = greedy_out["generation_lengths"]
         ids0 = greedy_out["output_ids"][0]
@@ -314,6 +313,7 @@ class OwnEngineSamplingTests:
             + (f"\n(a correct backend fails this with probability below {FALSE_FAILURE})")
         )
 
+    @requires("processed_logprobs")
     def test_processed_logprobs(
         self,
         request: pytest.FixtureRequest,
@@ -333,9 +333,7 @@ class OwnEngineSamplingTests:
             "top_k": PROCESSED_TOP_K,
             "top_p": PROCESSED_TOP_P,
         }
-        skip_unless_declared(
-            Capability.PROCESSED_LOGPROBS in caps, "processed_logprobs", lambda: make_engine(**overrides)
-        )
+        skip_unless(caps, "processed_logprobs", lambda: make_engine(**overrides))
         with make_engine(**overrides) as engine:
             out = engine.generate(batch)
         lengths, ends, ids = batch["input_lengths"], out["unpadded_sequence_lengths"], out["output_ids"]

@@ -12,7 +12,8 @@ from rollgen.conformance.checks import (
     can_refit,
     device_memory_used,
     raises,
-    skip_unless_declared,
+    requires,
+    skip_unless,
 )
 from rollgen.errors import EngineAsleep
 from rollgen.spec import Capability
@@ -21,6 +22,7 @@ from rollgen.spec import Capability
 class SleepWakeTests:
     """Sleep and wake of the shared engine, which ends the test awake."""
 
+    @requires("sleep_wake")
     def test_sleep_wake(
         self,
         engine: Any,
@@ -30,7 +32,7 @@ class SleepWakeTests:
         batch: dict[str, torch.Tensor],
         greedy_out: dict[str, torch.Tensor],
     ) -> None:
-        skip_unless_declared(Capability.SLEEP_WAKE in caps, "sleep_wake", engine.finish_generation)
+        skip_unless(caps, "sleep_wake", engine.finish_generation)
         before = device_memory_used()
         engine.finish_generation()
         engine.finish_generation()  # idempotent

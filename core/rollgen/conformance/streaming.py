@@ -3,14 +3,15 @@ while samples run, each token stamped with the weight version that produced it.
 
 When a cancel or an update lands depends on the machine's speed; every check here holds wherever
 it lands (a sample may finish before it, or be cut after any token), and the tests record where
-it landed (``*_cut_mid_sample``). The updates run while samples decode the refit target's
-untrained weights, which rarely emit EOS, so samples are usually long enough to be cut."""
+it landed (``*_cut_mid_sample``, ``cancel_*``). The updates run while samples decode the refit
+target's untrained weights, which rarely emit EOS, so samples are usually long enough to be cut.
+The cancel test runs on weights whose samples provably never end early (``one_token_model``)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import pytest
@@ -18,19 +19,22 @@ import torch
 
 from rollgen.conformance.checks import (
     assert_same_generation,
+    assert_same_tokens,
     can_refit,
     fp32_bound,
-    skip_unless_declared,
+    requires,
+    skip_unless,
 )
 from rollgen.output import STOP_REASONS, generated_mask
 from rollgen.rollout import STRAY_REPORT, Rollout, SampleResult
 from rollgen.spec import Capability
-from rollgen.testing.reference import agreement, next_token_logprobs, scored_logprobs
+from rollgen.testing.reference import agreement, next_token_logprobs, one_token_model, scored_logprobs
 
 #: Generated tokens per sample in the update tests (the budget of the untrained weights' runs).
 LONG = 40
-#: In the cancel test, samples whose uncut run is this long must have been cut.
-CUT = 100
+#: How many times the cancel test submits and cancels again where its cancel found no sample
+#: still running (each had run to its end first), before it fails for want of one.
+CANCEL_ATTEMPTS = 3
 
 
 def take_all(rollout: Rollout) -> list[SampleResult]:
@@ -101,31 +105,43 @@ def check_segments(
     return out
 
 
+def check_cancelled(
+    results: dict[str, list[SampleResult]], asked: dict[str, set[int]], uncut: dict[str, list[list[int]]]
+) -> int:
+    """Each rollout's samples (by label): a ``cancelled`` one was asked to end and holds a prefix
+    of its uncut run; any other is its uncut run. Returns how many were cancelled."""
+    cancelled = 0
+    for label, rs in results.items():
+        for r in rs:
+            want = uncut[label][r.index]
+            assert r.stop_reason in STOP_REASONS and r.stop_reason != "aborted", f"{label}: {r}"
+            if r.stop_reason == "cancelled":
+                cancelled += 1
+                assert r.index in asked[label], f"{label}: {r} was not cancelled"
+                assert r.token_ids == want[: len(r.token_ids)], (
+                    f"{label}: cancelled {r} is not a prefix of its uncut run {want}"
+                )
+            else:
+                assert r.token_ids == want, f"{label}: {r} differs from its uncut run {want}"
+    return cancelled
+
+
 @contextmanager
-def untrained_weights(
-    engine: Any,
-    caps: frozenset[Capability],
-    references: Callable[[str, str], Any],
-    model_dir: str,
-    other: str,
-) -> Iterator[bool]:
-    """The shared engine on the refit target's untrained weights, whose greedy samples mostly run
-    to their budget, and back on its own after (unless samples are still in flight: the test
-    failed, and the next one gets a new engine); yields False (nothing changed) where the backend
-    declares no refit."""
-    if not can_refit(caps):
-        yield False
-        return
-    engine.refit(references(other, "float32"))
+def served(engine: Any, weights: Any, back: Any) -> Iterator[None]:
+    """The shared engine on ``weights`` (a refit), and back on ``back`` after (unless samples
+    are still in flight: the test failed, and the next one gets a new engine)."""
+    engine.refit(weights)
     try:
-        yield True
+        yield
     finally:
-        if not engine.samples_in_flight():  # else the test failed, and the engine is remade
-            engine.refit(references(model_dir, "float32"))
+        if not engine.samples_in_flight():
+            engine.refit(back)
 
 
 class StreamingTests:
     """``submit`` on the shared engine, which ends each test on its original weights, idle."""
+
+    __requires__ = ("async",)
 
     @pytest.fixture(autouse=True)
     def reported_once(self, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
@@ -139,7 +155,7 @@ class StreamingTests:
         )
 
     def gate(self, engine: Any, caps: frozenset[Capability], batch: dict[str, torch.Tensor]) -> None:
-        skip_unless_declared(Capability.ASYNC in caps, "async", lambda: engine.submit(batch))
+        skip_unless(caps, "async", lambda: engine.submit(batch))
 
     def test_stream_equals_generate(
         self,
@@ -181,56 +197,84 @@ class StreamingTests:
         caps: frozenset[Capability],
         references: Callable[[str, str], Any],
         model_dir: str,
-        other_model_dir: str,
+        tokenizer: Any,
         batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
     ) -> None:
-        """Cancelled samples end ``cancelled`` with a prefix of their uncut tokens; the others as
-        ``generate`` gives them. On the untrained weights (where a refit is declared), with the
-        whole context as budget, samples that run on for at least ``CUT`` tokens uncut must be
-        cut by a cancel issued as soon as they were submitted: this holds unless this thread
-        stalls, between ``submit`` and ``cancel``, for as long as the engine takes to decode
-        that many tokens."""
+        """Each sample of two rollouts, one cancelled whole and one by index, is reported once: a
+        cancelled one ``cancelled`` with a prefix of its uncut tokens, or (where it had ended) as
+        uncut; the others as uncut. Where a refit is declared this runs on weights under which
+        every greedy sample runs to its budget, all one token (``one_token_model``): the uncut
+        runs are known, and the cancelled samples get the whole context as budget. A sample the
+        cancel found still running (in ``Rollout.in_flight()`` just before it) must then end
+        ``cancelled``: ``_stream_abort`` ends samples now. Nothing here waits on timing: a sample
+        that ran to its end before the cancel is held to its uncut run only, and where the cancel
+        found none running, the test submits and cancels again (``CANCEL_ATTEMPTS``); what is
+        left is a sample that reaches the end of the context in the instant between that look
+        and the engine's abort."""
         self.gate(engine, caps, batch)
-        with untrained_weights(engine, caps, references, model_dir, other_model_dir) as long_runs:
-            size = batch["input_ids"].shape[0]
-            long = {
-                **batch,
-                "max_new_tokens": torch.full((size,), engine.max_model_len if long_runs else LONG),
-            }
-            one, every = engine.submit(long, greedy=True), engine.submit(long, greedy=True)
-            one.cancel(0)
-            every.cancel()
-            results = {"one": take_all(one), "every": take_all(every)}
-            full = engine.generate(long, greedy=True)  # usable, and the uncut samples
-        start, lengths = long["input_lengths"].tolist(), full["generation_lengths"].tolist()
-        cancelled = 0
-        for label, asked in (("one", {0}), ("every", set(range(every.size)))):
-            for r in results[label]:
-                assert r.stop_reason in STOP_REASONS, r
-                assert r.stop_reason != "cancelled" or r.index in asked, f"{label}: {r} was not cancelled"
-                want = full["output_ids"][
-                    r.index, start[r.index] : start[r.index] + lengths[r.index]
-                ].tolist()
-                if r.stop_reason == "cancelled":
-                    cancelled += 1
-                    assert r.token_ids == want[: len(r.token_ids)], (
-                        f"{label}: cancelled {r} is not a prefix of {want}"
-                    )
-                else:
-                    assert r.token_ids == want, f"{label}: {r} differs from generate's {want}"
-        request.node.user_properties.append(("cancelled_samples", cancelled))
-        if long_runs:
+        size, limit, lengths = batch["input_ids"].shape[0], engine.max_model_len, batch["input_lengths"]
+        asked = {"one": {0}, "every": set(range(size))}
+        token = tokenizer.convert_tokens_to_ids("a")
+        known_runs = can_refit(caps)
+        budgets = {
+            "one": [limit if known_runs else LONG] + [LONG] * (size - 1),
+            "every": [limit if known_runs else LONG] * size,
+        }
+        data = {k: {**batch, "max_new_tokens": torch.tensor(b)} for k, b in budgets.items()}
+        weights: AbstractContextManager[None] = nullcontext()
+        if known_runs:
+            weights = served(engine, one_token_model(model_dir, token), references(model_dir, "float32"))
             uncut = {
-                r.index: (r.stop_reason, len(r.token_ids))
-                for r in results["every"]
-                if lengths[r.index] >= CUT and r.stop_reason != "cancelled"
+                k: [[token] * min(b, limit - int(n)) for b, n in zip(bs, lengths)]
+                for k, bs in budgets.items()
             }
-            assert not uncut, (
-                f"cancel: samples {sorted(uncut)} of a rollout cancelled as soon as it was submitted ran "
-                f"on to their own ends (stop reason, tokens): {uncut}. _stream_abort must end them now "
-                "(reported aborted=True with the tokens they have)"
+        else:
+            full = engine.generate(data["every"], greedy=True)
+            starts, ends = lengths.tolist(), full["unpadded_sequence_lengths"].tolist()
+            runs = [full["output_ids"][i, starts[i] : ends[i]].tolist() for i in range(size)]
+            uncut = {"one": runs, "every": runs}
+        with weights:
+            attempts = 0
+            while attempts < CANCEL_ATTEMPTS:
+                attempts += 1
+                rollouts = {k: engine.submit(d, greedy=True) for k, d in data.items()}
+                running = {k: {s.index for s in r.in_flight()} & asked[k] for k, r in rollouts.items()}
+                for k, r in rollouts.items():
+                    r.cancel(sorted(asked[k]))
+                results = {k: take_all(r) for k, r in rollouts.items()}
+                cancelled = check_cancelled(results, asked, uncut)
+                if not known_runs or running["every"]:
+                    break
+        request.node.user_properties += [
+            ("cancelled_samples", cancelled),
+            ("cancel_attempts", attempts),
+            ("cancel_found_running", sum(len(v) for v in running.values())),
+        ]
+        if known_runs:
+            assert running["every"], (
+                f"cancel: in {CANCEL_ATTEMPTS} rollouts cancelled as soon as submitted, every sample had "
+                f"ended first (each ran the whole context of {limit} before cancel was called)"
             )
+            ran_on = {
+                (k, r.index): (r.stop_reason, len(r.token_ids))
+                for k, rs in results.items()
+                for r in rs
+                if r.index in running[k] and r.stop_reason != "cancelled"
+            }
+            assert not ran_on, (
+                f"cancel: samples (rollout, index) {sorted(ran_on)} were still running when cancel was "
+                f"called, with the rest of the context ahead, and ran on to their own ends (stop reason, "
+                f"tokens): {ran_on}. _stream_abort must end them now (reported aborted=True with the "
+                "tokens they have)"
+            )
+        assert_same_tokens(
+            "greedy tokens after the cancels (the engine back on its weights)",
+            engine.generate(batch, greedy=True)["output_ids"],
+            greedy_out["output_ids"],
+        )
 
+    @requires("refit")
     @pytest.mark.parametrize("mode", ["keep", "abort", "wait"])
     def test_update_in_flight(
         self,
@@ -245,9 +289,8 @@ class StreamingTests:
         greedy_out: dict[str, torch.Tensor],
     ) -> None:
         self.gate(engine, caps, batch)
-        if not can_refit(caps):
-            pytest.skip("no refit declared")
         old, new = references(model_dir, "float32"), references(other_model_dir, "float32")
+        skip_unless(caps, "refit", lambda: engine.refit(new))
         engine.refit(new)
         try:
             running = engine.weight_version

@@ -26,6 +26,25 @@ def perturbed_model(model_dir: str, seed: int, scale: float = 0.2) -> Any:
     return policy
 
 
+@torch.no_grad()
+def one_token_model(model_dir: str, token: int) -> Any:
+    """The reference model rewired to emit ``token`` after any prefix, by a wide margin: every
+    embedding is the first unit vector, the attention and MLP outputs are zero (the residual
+    stream stays that vector), and only ``token``'s output row reads it. Greedy samples under
+    these weights never stop early: each runs to its budget, all ``token``. For Llama-style
+    models (Qwen2, Llama, Mistral: ``model.embed_tokens``, ``o_proj``, ``down_proj``,
+    ``model.norm``, an untied ``lm_head``)."""
+    policy = load_reference_model(model_dir)
+    inner = policy.model
+    inner.embed_tokens.weight.zero_()[:, 0] = 1.0
+    for layer in inner.layers:
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    inner.norm.weight.fill_(1.0)
+    policy.lm_head.weight.zero_()[token, 0] = 1.0
+    return policy
+
+
 def next_token_logprobs(
     model: Any, output_ids: torch.Tensor, unpadded_sequence_lengths: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
