@@ -10,10 +10,12 @@ import types
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import rollgen
 from rollgen.config import validate_config
+from rollgen.errors import ConfigError
 from rollgen.testing.prompts import PROMPTS, encode
 from rollgen.testing.reference import load_reference_model
 
@@ -42,9 +44,11 @@ def test_the_guides_plugin_registers_a_valid_backend() -> None:
     plugin["rollgen_register_backends"](registered.append)
     (backend,) = registered
     assert backend.name == "mine" and rollgen.Capability.REFIT_TENSORS in backend.capabilities
-    validate_config(
-        {"backend": "mine", "model_name": "m", "max_new_tokens": 1, "pad_token_id": 0}, backend.config_type
-    )
+    base = {"backend": "mine", "model_name": "m", "max_new_tokens": 1, "pad_token_id": 0}
+    cfg = validate_config(base, backend.config_type)
+    assert cfg["my_cfg"] == {"memory_fraction": 0.5}, "no sub-dict given: its defaults are in the config"
+    with pytest.raises(ConfigError, match="my_cfg.memory_fracton: unknown key"):
+        validate_config({**base, "my_cfg": {"memory_fracton": 0.2}}, backend.config_type)
 
 
 def test_the_guides_engine_generates_what_the_hf_backend_does(hf_config: dict, model_dir: str) -> None:

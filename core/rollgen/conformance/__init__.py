@@ -10,7 +10,8 @@ failing the run), ``--rollgen-test-timeout`` (seconds a test may take, setup and
 included; then it fails naming what it waited for) and ``--rollgen-shutdown-grace`` (seconds an
 engine's ``shutdown`` waits for the streamed samples it aborts). The backend's plugin adds
 engine keys through its ``rollgen_conformance_config`` hook and lists known failures (strict
-xfails) through ``rollgen_conformance_known_failures``.
+xfails) through ``rollgen_conformance_known_failures``. Each test a capability gates carries a
+``requires_<name>`` marker (``-m requires_async`` selects them; ``checks.REQUIREMENTS``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pytest
 
 import rollgen
 from rollgen.conformance.base import BackendConformance
-from rollgen.conformance.checks import REQUIREMENTS, describe, requirement_marker
+from rollgen.conformance.checks import MARKER_PREFIX, REQUIREMENTS, describe, requirement_marker
 from rollgen.conformance.fixtures import usable_backend
 from rollgen.conformance.pool import FAILED
 from rollgen.conformance.time_limit import limited
@@ -172,9 +173,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each suite test carries its area's and its own ``__requires__`` as markers
-    (``requires_async``...),
-    the suite's tests run in the order of their class's ``areas``, and the backend's known
-    failures are strict xfails."""
+    (``requires_async``, ...), the suite's tests run in the order of their class's ``areas``,
+    and the backend's known failures are strict xfails."""
     for item in items:
         function = getattr(item, "function", None)
         for name in (*getattr(area_class(item), "__requires__", ()), *getattr(function, "__requires__", ())):
@@ -205,8 +205,9 @@ def in_area_order(items: list[pytest.Item]) -> list[pytest.Item]:
 
 def requirements(item: pytest.Item) -> list[str]:
     """The suite requirements ``item`` is marked with (``requires_<name>``), in name order."""
-    prefix = "requires_"
-    return sorted({m.name.removeprefix(prefix) for m in item.iter_markers() if m.name.startswith(prefix)})
+    return sorted(
+        {m.name.removeprefix(MARKER_PREFIX) for m in item.iter_markers() if m.name.startswith(MARKER_PREFIX)}
+    )
 
 
 @pytest.hookimpl(wrapper=True)

@@ -56,13 +56,15 @@ REQUIREMENTS: dict[str, frozenset[Capability]] = {
 } | {"refit": frozenset({Capability.REFIT_TENSORS, Capability.REFIT_IPC})}
 
 T = TypeVar("T")
+#: A requirement's marker is this and its name.
+MARKER_PREFIX = "requires_"
 
 
 def requirement_marker(name: str) -> str:
     """The marker that shows requirement ``name`` at collection (``-m requires_async``)."""
     if name not in REQUIREMENTS:
         raise ValueError(f"no suite requirement {name!r}; known: {sorted(REQUIREMENTS)}")
-    return f"requires_{name}"
+    return MARKER_PREFIX + name
 
 
 def requires(*names: str) -> Callable[[T], T]:

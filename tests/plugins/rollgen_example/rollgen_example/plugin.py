@@ -5,14 +5,22 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from typing_extensions import NotRequired
+from pydantic import ConfigDict
+from typing_extensions import NotRequired, TypedDict
 
 from rollgen import Backend, Capability, GenerationConfig, hookimpl
+from rollgen.spec import EngineSubDict
+
+
+class ExampleCfg(TypedDict):
+    """The example engine's own keys: none (its one mode recomputes the whole sequence every
+    step); typed all the same, so that a key given here is a ConfigError, not ignored."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", strict=True)  # type: ignore[misc]
 
 
 class ExampleConfig(GenerationConfig):
-    #: Recompute the whole sequence every step (this backend's only mode, kept as a real option).
-    example_cfg: NotRequired[dict[str, Any]]
+    example_cfg: NotRequired[EngineSubDict[ExampleCfg]]
 
 
 @hookimpl
