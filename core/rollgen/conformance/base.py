@@ -7,6 +7,7 @@ when it ends); class-scoped fixtures are classmethods). At most two engines are 
 from __future__ import annotations
 
 from rollgen.conformance.fixtures import ConformanceFixtures
+from rollgen.conformance.fleet import FleetTests
 from rollgen.conformance.lifecycle import BadInputTests, LifecycleTests
 from rollgen.conformance.output import OutputContractTests
 from rollgen.conformance.refit import RefitTests
@@ -23,6 +24,7 @@ class BackendConformance(
     OwnEngineSamplingTests,
     BadInputTests,
     SleepWakeTests,
+    FleetTests,
     StreamingTests,
     RefitTests,
     SamplingTests,
