@@ -6,6 +6,7 @@ on the survivor, and the replacement serves only once it holds the current weigh
 test_fleet_production.py holds the engine core in a process of its own."""
 
 import importlib.util
+import random
 
 import pytest
 import torch
@@ -40,6 +41,7 @@ def fleet(hf_config: dict):
         "cpus_per_bundle": 0.1,
         "data_parallel_size": 2,
         "engine_failures": "replace",
+        "max_restarts": 20,
     }
     cfg["vllm_kwargs"] = {"worker_extension_cls": "tests.vllm_faults.DyingRank"}
     with rollgen.create_generation(cfg) as gen:
@@ -147,6 +149,25 @@ def test_a_replica_killed_inside_a_streamed_rollout_reports_each_sample_once(fle
         assert r.token_ids == clean["output_ids"][r.index, start:][: lengths[r.index]].tolist()
         assert r.versions == ((fleet.weight_version, 0),)
     restored(fleet, 0, restarts=3)
+
+
+def test_chaos_a_training_loop_losing_a_replica_every_round(fleet, model_dir: str) -> None:
+    """``benchmarks.chaos``'s rounds, each replica death landing inside the round's call (its
+    second engine step): refits, generate, streamed rollouts, one with a ``keep`` update in
+    flight; no sample lost or repeated, every token stamped with a version current when it
+    was made and the tokens of that version's weights, each replacement restored."""
+    from benchmarks.chaos import Workload, run_round
+
+    work = Workload.make(fleet, model_dir)
+    rng = random.Random(3)
+    for n in range(4):
+        before = [s.restarts for s in fleet.replicas]
+        round_ = run_round(fleet, work, n, rng, lambda gen, victim, _: arm_death(gen, victim, steps=2))
+        assert not round_["problems"], round_
+        status = fleet.restore_replicas(timeout_s=START_S)
+        assert all(s.state == "healthy" and s.weight_version == fleet.weight_version for s in status), status
+        before[round_["victim"]] += 1  # it died inside the round, and only it
+        assert [s.restarts for s in status] == before, status
 
 
 def test_retained_weights_keep_the_latest_value_of_every_tensor() -> None:
