@@ -182,7 +182,8 @@ def recover(gen: Any, work: Workload, round_: dict[str, Any]) -> dict[str, Any]:
     killed_at = kill.killed()
     tokens, busy = 0, 0.0
     which = round_["round"] % 2 if round_["mode"] != "stream_keep" else 1 - round_["round"] % 2
-    while not all(s.state == "healthy" for s in gen.replicas):
+    # the kill may land after the round's call: the next call meets it
+    while kill.seen_at is None or not all(s.state == "healthy" for s in gen.replicas):
         if time.perf_counter() - killed_at > RESTORE_S:
             raise RuntimeError(f"round {round_['round']}: not restored within {RESTORE_S} s: {gen.replicas}")
         start = time.perf_counter()
@@ -194,7 +195,7 @@ def recover(gen: Any, work: Workload, round_: dict[str, Any]) -> dict[str, Any]:
     restored = time.perf_counter()
     kill._thread.join()
     return {
-        "detect_s": (kill.seen_at or restored) - killed_at,
+        "detect_s": (kill.seen_at or killed_at) - killed_at,
         "restore_s": restored - killed_at,
         "degraded_tok_s": tokens / busy if busy else float("nan"),
     }
