@@ -1,16 +1,21 @@
 """Chaos: a training-style loop on a vLLM fleet of DP=2 (``engine_failures: "replace"``) whose
-replicas are killed again and again (SIGKILL of a replica's engine process).
+replicas are killed again and again, each time while a call runs (SIGKILL of a replica's actor,
+from a thread, a random moment into the call).
 
-    python -m benchmarks.chaos --kills 50                 # vLLM-CPU, or CUDA where there is one
-    python -m benchmarks.chaos --kills 50 --out results/benchmarks/DATE-chaos   # chaos.json there
+    python -m benchmarks.chaos --kills 50                 # vLLM-CPU, or vLLM on one CUDA GPU
+    python -m benchmarks.chaos --kills 50 --out results/benchmarks/DATE-chaos   # chaos_*.json there
 
 Each round: switch the weights (a refit, alternating between two perturbed copies of the tiny
-model), kill a random replica, then either ``generate`` greedily (its output must equal the
-fault-free output of those weights) or stream the batch twice (``submit``; the kill between the
-two), where every sample must come back once, with the fault-free tokens, stamped with the
-current weight version. Then ``restore_replicas`` (start of the new engine and its catch-up
-refit). Reported: rounds whose outputs differed, samples lost or repeated, the seconds to restore
-full capacity (median, max), and the restarts each replica had.
+model), start a kill of a random replica, and run one call it lands in: a greedy ``generate``
+(its output must equal the fault-free output of those weights), a streamed rollout (every sample
+once, with the fault-free tokens, stamped with the current version), or (every third round) a
+streamed rollout with a ``keep`` update to the other weights in flight (every sample once; each
+token stamped with a version current when it was made, and its tokens those of that version's
+weights). Then ``generate`` again and again until the replacement serves (the fleet at reduced
+capacity). Reported per round and summed up: the seconds from the kill until the fleet took the
+replica out (``detect_s``) and until every replica served again (``restore_s``: the new engine's
+start and catch-up), and the degraded fleet's throughput against the survivors' share of the
+full fleet's (``recovery_vs_share``).
 """
 
 from __future__ import annotations
@@ -19,90 +24,236 @@ import argparse
 import logging
 import random
 import statistics
+import threading
 import time
-from typing import Any, cast
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 import rollgen
 from benchmarks.common import print_table, write_results
-from rollgen.distributed import RayGeneration
+from rollgen.rollout import SampleResult
 from rollgen.testing.config import tiny_config
 from rollgen.testing.faults import kill_replica
 from rollgen.testing.prompts import PROMPTS, encode
 from rollgen.testing.reference import perturbed_model
 
-
-def streamed_ok(
-    gen: Any, batch: dict[str, torch.Tensor], clean: dict[str, torch.Tensor], victim: int
-) -> bool:
-    """Two streamed copies of ``batch``, ``victim`` killed between them: every sample once, with
-    the fault-free tokens, under the current version."""
-    first = gen.submit(batch, greedy=True)
-    kill_replica(gen, victim)
-    second = gen.submit(batch, greedy=True)
-    results = first.wait() + second.wait()
-    size = batch["input_ids"].shape[0]
-    if sorted(r.index for r in results) != sorted(list(range(size)) * 2):
-        return False
-    lengths, starts = clean["generation_lengths"].tolist(), batch["input_lengths"].tolist()
-    return all(
-        r.token_ids == clean["output_ids"][r.index, starts[r.index] :][: lengths[r.index]].tolist()
-        and r.versions == ((gen.weight_version, 0),)
-        for r in results
-    )
+#: A kill lands this long (uniform, seconds) into the call after it is started.
+KILL_DELAY_S = (0.0, 0.05)
+#: Seconds a round waits for a replacement to serve.
+RESTORE_S = 600.0
+MODES = ("generate", "stream", "stream_keep")
 
 
-def chaos(kills: int, seed: int) -> dict[str, Any]:
-    engine = {"data_parallel_size": 2, "engine_failures": "replace", "max_restarts": kills + 1}
-    if not torch.cuda.is_available():  # the tests' CPU settings: small KV caches, quick starts
+def engine_config(kills: int, cuda: bool, compiled: bool = False) -> dict[str, Any]:
+    """The fleet's ``vllm_cfg``: DP=2, "replace", room for a replacement per kill; on CUDA both
+    engines on one GPU (half a GPU's Ray share and 30% of its memory each, as
+    ``benchmarks.vllm_gpu`` shares a GPU), on CPU the tests' small KV caches and quick starts."""
+    engine: dict[str, Any] = {
+        "data_parallel_size": 2,
+        "engine_failures": "replace",
+        "max_restarts": kills + 1,
+        "enforce_eager": not compiled,
+    }
+    if cuda:
+        engine.update(gpus_per_bundle=0.5, gpu_memory_utilization=0.3, enable_sleep_mode=False)
+    else:
         engine.update(kv_cache_memory_bytes=64 << 20, in_process=True, cpus_per_bundle=0.1)
-    cfg = tiny_config("vllm", vllm_cfg=engine)
-    rng = random.Random(seed)
-    with rollgen.create_generation(cfg) as created:
-        gen = cast(RayGeneration, created)
+    return engine
+
+
+@dataclass
+class Workload:
+    """The batch, the two weights the loop alternates between, and each one's fault-free
+    greedy output."""
+
+    batch: dict[str, torch.Tensor]
+    weights: list[torch.nn.Module]
+    clean: list[dict[str, torch.Tensor]]
+
+    @classmethod
+    def make(cls, gen: Any, model_dir: str) -> Workload:
         from transformers import AutoTokenizer
 
-        batch = encode(AutoTokenizer.from_pretrained(cfg["model_name"]), PROMPTS * 2)
-        weights = [perturbed_model(cfg["model_name"], 1), perturbed_model(cfg["model_name"], 2)]
+        batch = encode(AutoTokenizer.from_pretrained(model_dir), PROMPTS * 2)
+        weights = [perturbed_model(model_dir, 1), perturbed_model(model_dir, 2)]
         clean = []
-        for w in weights:  # the fault-free outputs of each
+        for w in weights:
             gen.refit(w)
             clean.append(gen.generate(batch, greedy=True))
-        differing, restore_s = 0, []
-        for round_ in range(kills):
-            which = round_ % 2
-            gen.refit(weights[which])
-            victim = rng.randrange(2)
-            if round_ % 3 == 2:
-                differing += not streamed_ok(gen, batch, clean[which], victim)
-            else:
-                kill_replica(gen, victim)
-                out = gen.generate(batch, greedy=True)
-                differing += not torch.equal(out["output_ids"], clean[which]["output_ids"])
-            start = time.perf_counter()
-            status = gen.restore_replicas(timeout_s=600)
-            restore_s.append(time.perf_counter() - start)
-            if not all(s.state == "healthy" and s.weight_version == gen.weight_version for s in status):
-                raise RuntimeError(f"round {round_}: not restored: {status}")
-        return {
-            "kills": kills,
-            "rounds_differing": differing,
-            "restore_s_median": statistics.median(restore_s),
-            "restore_s_max": max(restore_s),
-            "restarts": [s.restarts for s in gen.replicas],
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
-        }
+        return cls(batch, weights, clean)
+
+    def tokens(self, which: int, index: int) -> list[int]:
+        """Sample ``index``'s fault-free tokens under ``weights[which]``."""
+        out = self.clean[which]
+        start, length = int(self.batch["input_lengths"][index]), int(out["generation_lengths"][index])
+        return out["output_ids"][index, start : start + length].tolist()
+
+
+class TimedKill:
+    """Kills replica ``victim`` of ``gen`` ``delay_s`` from now (from a thread), then times
+    until the fleet has taken it out (its restarts counted)."""
+
+    def __init__(self, gen: Any, victim: int, delay_s: float) -> None:
+        self.killed_at: float | None = None
+        self.seen_at: float | None = None
+        restarts = gen.replicas[victim].restarts
+        self._thread = threading.Thread(target=self._run, args=(gen, victim, delay_s, restarts), daemon=True)
+        self._thread.start()
+
+    def _run(self, gen: Any, victim: int, delay_s: float, restarts: int) -> None:
+        time.sleep(delay_s)
+        self.killed_at = time.perf_counter()
+        kill_replica(gen, victim)
+        while gen.replicas[victim].restarts == restarts:
+            time.sleep(0.002)
+        self.seen_at = time.perf_counter()
+
+    def killed(self) -> float:
+        """When the kill was made (waits for it)."""
+        while self.killed_at is None:
+            time.sleep(0.002)
+        return self.killed_at
+
+
+#: Starts a round's kill of replica ``victim``, before the call it must land in.
+Killer = Callable[[Any, int, random.Random], TimedKill | None]
+
+
+def timed_kill(gen: Any, victim: int, rng: random.Random) -> TimedKill:
+    return TimedKill(gen, victim, rng.uniform(*KILL_DELAY_S))
+
+
+def stream_problems(
+    results: list[SampleResult], work: Workload, versions: dict[int, int], size: int
+) -> list[str]:
+    """What is wrong with a streamed rollout's ``results``: a sample lost or repeated, a token
+    stamped with a version not current while the rollout ran (``versions``: each such version's
+    weights, by index in ``work.weights``), or tokens not those of their version's weights."""
+    problems = []
+    if sorted(r.index for r in results) != list(range(size)):
+        problems.append(f"samples reported {sorted(r.index for r in results)}, not each of {size} once")
+    for r in results:
+        stamps = [v for v, _ in r.versions]
+        if r.versions[0][1] != 0 or stamps != sorted(stamps) or not set(stamps) <= set(versions):
+            problems.append(f"sample {r.index}: versions {r.versions}, the rollout ran under {set(versions)}")
+            continue
+        # a later segment's weights went on from the tokens before it: only the first segment
+        # is known, the fault-free output of its version (a prefix of it where more follow)
+        want = work.tokens(versions[stamps[0]], r.index)
+        end = r.versions[1][1] if len(stamps) > 1 else len(want)
+        if r.token_ids[:end] != want[:end] or (len(stamps) == 1 and r.token_ids != want):
+            problems.append(f"sample {r.index}: tokens {r.token_ids} of version {stamps[0]}, not {want}")
+    return problems
+
+
+def run_round(
+    gen: Any, work: Workload, n: int, rng: random.Random, killer: Killer = timed_kill
+) -> dict[str, Any]:
+    """One round (weights, a kill landing in a call, the call's checks): the mode, the victim,
+    the kill (None where ``killer`` times none) and the problems found."""
+    which, mode = n % 2, MODES[n % 3]
+    gen.refit(work.weights[which])
+    victim = rng.randrange(2)
+    kill = killer(gen, victim, rng)
+    problems: list[str] = []
+    if mode == "generate":
+        out = gen.generate(work.batch, greedy=True)
+        if not torch.equal(out["output_ids"], work.clean[which]["output_ids"]):
+            problems.append("generate's output differs from the fault-free one")
+    else:
+        size = work.batch["input_ids"].shape[0]
+        rollout = gen.submit(work.batch, greedy=True)
+        versions = {gen.weight_version: which}
+        if mode == "stream_keep":
+            gen.refit(work.weights[1 - which], mode="keep")
+            versions[gen.weight_version] = 1 - which
+        problems += stream_problems(rollout.wait(), work, versions, size)
+    return {"round": n, "mode": mode, "victim": victim, "kill": kill, "problems": problems}
+
+
+def recover(gen: Any, work: Workload, round_: dict[str, Any]) -> dict[str, Any]:
+    """``generate`` until every replica serves again (the first call after the replacement
+    started admits it); each output checked. The round's figures: detect_s, restore_s, and the
+    degraded fleet's tokens per second."""
+    kill: TimedKill = round_["kill"]
+    killed_at = kill.killed()
+    tokens, busy = 0, 0.0
+    which = round_["round"] % 2 if round_["mode"] != "stream_keep" else 1 - round_["round"] % 2
+    # the kill may land after the round's call: the next call meets it
+    while kill.seen_at is None or not all(s.state == "healthy" for s in gen.replicas):
+        if time.perf_counter() - killed_at > RESTORE_S:
+            raise RuntimeError(f"round {round_['round']}: not restored within {RESTORE_S} s: {gen.replicas}")
+        start = time.perf_counter()
+        out = gen.generate(work.batch, greedy=True)
+        busy += time.perf_counter() - start
+        tokens += int(out["generation_lengths"].sum())
+        if not torch.equal(out["output_ids"], work.clean[which]["output_ids"]):
+            round_["problems"].append("a generate during the recovery differs from the fault-free one")
+    restored = time.perf_counter()
+    kill._thread.join()
+    return {
+        "detect_s": (kill.seen_at or killed_at) - killed_at,
+        "restore_s": restored - killed_at,
+        "degraded_tok_s": tokens / busy if busy else float("nan"),
+    }
+
+
+def full_throughput(gen: Any, work: Workload, calls: int = 5) -> float:
+    """The whole fleet's greedy tokens per second on the workload's batch."""
+    start, tokens = time.perf_counter(), 0
+    for _ in range(calls):
+        tokens += int(gen.generate(work.batch, greedy=True)["generation_lengths"].sum())
+    return tokens / (time.perf_counter() - start)
+
+
+def summary(rows: list[dict[str, Any]], full_tok_s: float, gen: Any) -> dict[str, Any]:
+    share = full_tok_s / 2  # one of two replicas survives
+    recovery = [r["degraded_tok_s"] for r in rows if r["degraded_tok_s"] == r["degraded_tok_s"]]
+    return {
+        "kills": len(rows),
+        "rounds_with_problems": sum(bool(r["problems"]) for r in rows),
+        "detect_s_median": statistics.median(r["detect_s"] for r in rows),
+        "detect_s_max": max(r["detect_s"] for r in rows),
+        "restore_s_median": statistics.median(r["restore_s"] for r in rows),
+        "restore_s_max": max(r["restore_s"] for r in rows),
+        "full_tok_s": full_tok_s,
+        "recovery_tok_s_median": statistics.median(recovery) if recovery else float("nan"),
+        "recovery_vs_share": statistics.median(recovery) / share if recovery else float("nan"),
+        "restarts": [s.restarts for s in gen.replicas],
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
+
+
+def chaos(kills: int, seed: int, out_dir: str, compiled: bool = False) -> dict[str, Any]:
+    cfg = tiny_config("vllm", vllm_cfg=engine_config(kills, torch.cuda.is_available(), compiled))
+    rng = random.Random(seed)
+    rows: list[dict[str, Any]] = []
+    with rollgen.create_generation(cfg) as gen:
+        work = Workload.make(gen, cfg["model_name"])
+        full_tok_s = full_throughput(gen, work)
+        for n in range(kills):
+            round_ = run_round(gen, work, n, rng)
+            figures = recover(gen, work, round_)
+            rows.append({k: v for k, v in round_.items() if k != "kill"} | figures)
+            print_table(rows[-1:], ["round", "mode", "victim", "detect_s", "restore_s", "degraded_tok_s"])
+            for problem in round_["problems"]:
+                print(f"  round {n}: {problem}")
+            write_results("chaos_rounds", rows, out_dir)  # a run cut off keeps its rounds
+        return summary(rows, full_tok_s, gen)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compiled", action="store_true", help="CUDA graphs / torch.compile (slower starts)")
     parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    row = chaos(args.kills, args.seed)
+    row = chaos(args.kills, args.seed, args.out, args.compiled)
     print_table([row], list(row))
     print(write_results("chaos", [row], args.out))
 

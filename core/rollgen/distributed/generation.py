@@ -23,9 +23,10 @@ from rollgen.distributed.dispatch import SampleDispatcher
 from rollgen.distributed.fleet import Fleet, ReplicaStatus
 from rollgen.distributed.refit_link import RayLink
 from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec, running
+from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
 from rollgen.errors import ConfigError, WorkerError
+from rollgen.processes import running
 from rollgen.refit import WeightBucket, dtype_name
 from rollgen.refit.bucket import named_tensors
 from rollgen.rollout import ReplicaLoad, SampleRequest

@@ -13,7 +13,6 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
 import ray
@@ -22,6 +21,7 @@ import torch
 from rollgen.data import BatchedDataDict, unpad
 from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.output import assemble_from_lists
+from rollgen.processes import descendants, running
 from rollgen.refit import WeightBucket, WeightSpec, release_staged
 from rollgen.refit.weight_sync import SyncGroupSpec
 from rollgen.rollout import FinishedSample, SampleRequest
@@ -318,33 +318,3 @@ class EngineWorker(ABC):
     @abstractmethod
     def _stop(self) -> None:
         """Stop the engine and its processes."""
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """The processes below ``pid`` and their command lines (Linux ``/proc``; empty elsewhere)."""
-    found: dict[int, str] = {}
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        for tasks in Path(f"/proc/{parent}/task").glob("*/children"):
-            for child in map(int, tasks.read_text().split()):
-                if child not in found:
-                    found[child] = _cmdline(child)
-                    todo.append(child)
-    return found
-
-
-def running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (not gone, not a zombie waiting to be reaped)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""

@@ -15,7 +15,15 @@ Requests and answers are pickles, read only from an authenticated peer. A reques
 order, one at a time; what the handler raises comes back: a ``RollgenError`` as itself, anything
 else as a ``WorkerError`` with the rank's traceback. A channel that closes means the rank's
 process ended; a rank that does not answer within the driver's deadline is wedged (both its
-death, ``WorkerError(died=True)``)."""
+death, ``WorkerError(died=True)``).
+
+A rank may run in a process of its own below the engine's actor (vLLM's engine core, its
+workers): such a process outlives the actor's death for a moment (Ray ends a dead worker's
+process group with SIGTERM, then SIGKILL 200 ms later), serving, then tearing the engine down.
+So a server opened with its ``owner`` (the actor's pid) answers a request that meets a process
+between it and the owner gone (before or after handling it) with that end, which the driver
+raises as the rank's death too: never an update applied to, or failed by, an engine whose
+actor died."""
 
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ import torch
 
 from rollgen import auth
 from rollgen.errors import RollgenError, WorkerError
+from rollgen.processes import lifeline, running
 from rollgen.refit.bucket import WeightBucket
 from rollgen.refit.receiver import KEPT_UNPACKED
 
@@ -47,10 +56,15 @@ class ChannelServer:
     """One engine rank's end: a daemon thread that accepts connections and answers each
     authenticated one's requests with ``handle(request)`` (one request at a time), on ``device``
     and with as many CPU threads as the thread that opens it (a thread's CUDA device and thread
-    count are its own)."""
+    count are its own). ``owner``: the pid of the process whose end ends the engine (its
+    actor), where this process descends from it: requests that meet a process of that line
+    gone are answered as the engine's end."""
 
-    def __init__(self, handle: Callable[[Any], Any], authkey: bytes, device: torch.device) -> None:
+    def __init__(
+        self, handle: Callable[[Any], Any], authkey: bytes, device: torch.device, owner: int | None = None
+    ) -> None:
         self.address = f"\0rollgen-channel-{uuid.uuid4().hex}"
+        self._lifeline = () if owner is None else lifeline(owner)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.address)
         self._listener.listen(16)
@@ -87,10 +101,25 @@ class ChannelServer:
                 try:
                     request = pickle.loads(conn.recv_bytes())  # from the authenticated driver
                     with self._lock:
-                        answer = _answer(self._handle, request)
+                        answer = self._answer(request)
                     conn.send_bytes(answer)
                 except (EOFError, OSError):  # the driver closed its end
                     return
+
+    def _answer(self, request: Any) -> bytes:
+        """The answer to ``request``: the handler's outcome, unless a process of the owner's
+        line is gone before or after it ran (then the engine's end, whatever the handler did)."""
+        gone = self._ended()
+        if gone is None:
+            answer = _answer(self._handle, request)
+            gone = self._ended()
+            if gone is None:
+                return answer
+        return pickle.dumps(("ended", f"its engine's process {gone} ended"))
+
+    def _ended(self) -> int | None:
+        """The first process of the owner's line that is gone (None: all run)."""
+        return next((pid for pid in self._lifeline if not running(pid)), None)
 
 
 def _authenticate(sock: socket.socket, key: bytes, *, initiator: bool) -> None:
@@ -173,6 +202,9 @@ class Channel:
             return answer[1]
         if answer[0] == "raised":
             raise answer[1]
+        if answer[0] == "ended":
+            self.close()
+            raise self._ended(answer[1])
         raise WorkerError(self.name, f"raised {answer[1]}", answer[2])
 
     def close(self) -> None:
@@ -183,6 +215,14 @@ class Channel:
             self.name,
             f"its refit channel closed ({type(exc).__name__}): the engine's process ended; the "
             "worker's log says why; create a new generation object",
+            died=True,
+        )
+
+    def _ended(self, why: str) -> WorkerError:
+        return WorkerError(
+            self.name,
+            f"{why} (the rank's answer over its refit channel); the worker's log says why; create a "
+            "new generation object",
             died=True,
         )
 

@@ -1,6 +1,7 @@
 """Faults for the conformance suite, the tests and the benchmarks: ``Unreadable``, a stand-in
 tensor whose bytes cannot be read once an update is under way (its name, shape and dtype pass
-every check before it; copying it fails); ``kill_replica``, a real engine's death."""
+every check before it; copying it fails); ``kill_replica``, a real engine's death, and
+``kill_process``, the same from anywhere (an engine's own process, at a chosen point of a call)."""
 
 import os
 import signal
@@ -8,6 +9,8 @@ import time
 from typing import Any
 
 import torch
+
+from rollgen.processes import running
 
 
 class Unreadable(torch.Tensor):
@@ -21,11 +24,13 @@ class Unreadable(torch.Tensor):
 
 
 def kill_replica(gen: Any, index: int) -> None:
-    """SIGKILL data-parallel replica ``index``'s engine process (a ``RayGeneration``'s) and wait
-    until it is gone: the engine death a fleet must survive."""
-    from rollgen.distributed.worker import running
+    """SIGKILL data-parallel replica ``index``'s engine process (a ``RayGeneration``'s: its
+    actor) and wait until it is gone: the engine death a fleet must survive."""
+    kill_process(gen.engine_info[index]["pid"])
 
-    pid = gen.engine_info[index]["pid"]
+
+def kill_process(pid: int) -> None:
+    """SIGKILL process ``pid`` (of this machine) and wait until it is gone."""
     os.kill(pid, signal.SIGKILL)
     while running(pid):
         time.sleep(0.01)

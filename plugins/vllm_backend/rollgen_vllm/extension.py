@@ -58,11 +58,15 @@ class RollgenWorkerExtension:
         )
         return True
 
-    def rollgen_open_channel(self, authkey: bytes, replay: bool) -> str:
+    def rollgen_open_channel(self, authkey: bytes, replay: bool, owner: int) -> str:
         """Open this rank's refit channel (``rollgen.refit.channel``), which loads each
-        request ``(layout, data)`` as ``rollgen_load_request`` does; its address."""
+        request ``(layout, data)`` as ``rollgen_load_request`` does, while the processes up to
+        ``owner`` (the pid of the engine's actor) run; its address."""
         self.rollgen_channel = ChannelServer(
-            lambda request: self.rollgen_load_request(*request, replay), authkey, self.rollgen_device()
+            lambda request: self.rollgen_load_request(*request, replay),
+            authkey,
+            self.rollgen_device(),
+            owner,
         )
         return self.rollgen_channel.address
 

@@ -220,7 +220,9 @@ class VllmWorker(EngineWorker):
 
     def _open_channels(self, authkey: bytes) -> list[str]:
         replay = self.spec.engine["replay_refit"]
-        return self._rpc(RollgenWorkerExtension.rollgen_open_channel, authkey, replay)
+        # a rank in a process of the engine's own (its engine core, its workers) outlives this
+        # actor's death for a moment: it answers as the engine's death once this process is gone
+        return self._rpc(RollgenWorkerExtension.rollgen_open_channel, authkey, replay, os.getpid())
 
     def _release_staged(self, keys: list[str]) -> None:
         self._rpc(RollgenWorkerExtension.rollgen_release_staged, keys)
