@@ -17,7 +17,7 @@ from rollgen.testing import load_reference_model
 from rollgen.testing.faults import kill_replica
 from rollgen.testing.prompts import PROMPTS, encode
 from rollgen.testing.reference import perturbed_model
-from tests.vllm_faults import arm_death
+from tests.vllm_faults import arm_death, fleet_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
@@ -34,17 +34,7 @@ def batch(model_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def fleet(hf_config: dict):
-    cfg = {**hf_config, "backend": "vllm", "max_new_tokens": 12, "seed": 11}
-    cfg["vllm_cfg"] = {
-        "kv_cache_memory_bytes": 64 << 20,
-        "in_process": True,
-        "cpus_per_bundle": 0.1,
-        "data_parallel_size": 2,
-        "engine_failures": "replace",
-        "max_restarts": 20,
-    }
-    cfg["vllm_kwargs"] = {"worker_extension_cls": "tests.vllm_faults.DyingRank"}
-    with rollgen.create_generation(cfg) as gen:
+    with rollgen.create_generation(fleet_config(hf_config, in_process=True, seed=11)) as gen:
         yield gen
 
 

@@ -85,3 +85,19 @@ def arm_death(gen: Any, index: int, *, steps: int = 0, buckets: int = 0) -> None
     refit bucket, from now on."""
     worker, pid = gen.group.workers[index], gen.engine_info[index]["pid"]
     ray.get(worker.collective_rpc.remote("fault_arm_death", (pid, steps, buckets), {}))
+
+
+def fleet_config(hf_config: dict, in_process: bool, **top: object) -> dict:
+    """A vLLM-CPU DP=2 fleet with ``engine_failures: "replace"`` over the test model, its ranks
+    ``DyingRank``s (``arm_death``); ``in_process``: the engine core in the actor's process."""
+    cfg = {**hf_config, "backend": "vllm", "max_new_tokens": 12, **top}
+    cfg["vllm_cfg"] = {
+        "kv_cache_memory_bytes": 64 << 20,
+        "in_process": in_process,
+        "cpus_per_bundle": 0.1,
+        "data_parallel_size": 2,
+        "engine_failures": "replace",
+        "max_restarts": 20,
+    }
+    cfg["vllm_kwargs"] = {"worker_extension_cls": "tests.vllm_faults.DyingRank"}
+    return cfg

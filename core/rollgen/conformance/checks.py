@@ -52,6 +52,7 @@ REQUIREMENTS: dict[str, frozenset[Capability]] = {
         Capability.SLEEP_WAKE,
         Capability.REFIT_COLLECTIVE,
         Capability.ASYNC,
+        Capability.DATA_PARALLEL,
     )
 } | {"refit": frozenset({Capability.REFIT_TENSORS, Capability.REFIT_IPC})}
 

@@ -34,6 +34,8 @@ def once_per_replica(batch: dict[str, torch.Tensor], replicas: int) -> dict[str,
 class FleetTests:
     """Replica deaths on the shared engine; each test restores it."""
 
+    __requires__ = ("data_parallel",)
+
     def fleet_size(self, engine: Any, caps: frozenset[Capability], base_config: dict[str, Any]) -> int:
         """The number of replicas, or skip: the backend does not declare ``data_parallel``, the
         config does not ask ``engine_failures: "replace"``, or runs one replica."""
