@@ -291,6 +291,22 @@ def test_the_remote_backend_refuses_a_server_that_serves_another_config(server: 
         rollgen.create_generation(wrong_key)
 
 
+def test_idle_connections_are_dropped_by_the_client_before_the_server(server: Any) -> None:
+    """A request sent on a kept-alive connection as the server closes it is lost ("Server
+    disconnected without sending a response"): so the server keeps idle connections longer than
+    httpx clients (the openai SDK's among them) reuse them, and the remote backend stops reusing
+    one before a uvicorn server's default 5 s."""
+    import uvicorn
+
+    from rollgen_remote.generation import KEEPALIVE_EXPIRY_S
+
+    assert server._uvicorn.config.timeout_keep_alive > httpx.Limits().keepalive_expiry
+    assert KEEPALIVE_EXPIRY_S < uvicorn.Config(app=None).timeout_keep_alive
+    config = tiny_config("remote", remote_cfg={"url": server.url, "api_key": KEY})
+    with rollgen.create_generation(config) as remote:
+        assert remote._http._transport._pool._keepalive_expiry == KEEPALIVE_EXPIRY_S
+
+
 def test_a_client_that_leaves_has_its_work_cancelled() -> None:
     """``unless_disconnected`` with a stand-in request whose client has gone (a real client's
     disconnect lands at a moment no test can fix): the work is cancelled, None returned."""

@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 
 #: How long ``start`` waits for uvicorn to listen.
 START_TIMEOUT_S = 60.0
+#: How long an idle keep-alive connection stays open: well past the 5 s after which httpx (and so
+#: the ``openai`` SDK) stops reusing one, so a client never sends on a connection the server is
+#: closing (uvicorn's own default is those same 5 s: a request sent as the server closes is lost).
+KEEP_ALIVE_S = 60
 
 
 def is_loopback(host: str) -> bool:
@@ -114,7 +118,13 @@ class Server:
             self.state.closing = True
 
         app = build_app(self.state, self.api_key, lifespan)
-        config = uvicorn.Config(app, log_level=self.log_level, lifespan="on", timeout_graceful_shutdown=30)
+        config = uvicorn.Config(
+            app,
+            log_level=self.log_level,
+            lifespan="on",
+            timeout_graceful_shutdown=30,
+            timeout_keep_alive=KEEP_ALIVE_S,
+        )
         # listening now: uvicorn runs the lifespan's startup (which says ready) before it listens,
         # and a client that connects as soon as start() returns would be refused
         sock.listen(config.backlog)

@@ -23,6 +23,10 @@ from rollgen.spec import Capability
 
 logger = logging.getLogger(__name__)
 
+#: Seconds after which an idle connection is not reused: below the 5 s that uvicorn-based servers
+#: (vLLM's among them) keep one, so no request goes out on a connection the server is closing.
+KEEPALIVE_EXPIRY_S = 2.0
+
 
 class RemoteGeneration(BaseGeneration):
     local_transport = "tensors"
@@ -36,7 +40,9 @@ class RemoteGeneration(BaseGeneration):
         self._http = httpx.Client(
             headers=headers,
             timeout=remote["timeout_s"],
-            limits=httpx.Limits(max_connections=remote["max_connections"]),
+            limits=httpx.Limits(
+                max_connections=remote["max_connections"], keepalive_expiry=KEEPALIVE_EXPIRY_S
+            ),
         )
         #: Names this client's requests apart from other clients' on the server.
         self._tag = uuid.uuid4().hex[:12]
