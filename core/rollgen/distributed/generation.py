@@ -269,23 +269,14 @@ class RayGeneration(BaseGeneration):
         dtype: torch.dtype | None = None,
         partial: bool = False,
     ) -> None:
-        """Run the update; if a replica's death ends it and the fleet goes on, run it once more
-        (on the survivors: a death during a refit leaves no replica that serves mixed weights).
-        Then the replicas in service hold the new version, and (with "replace") the fleet keeps
-        its tensors for a replacement."""
+        """Run the update (a replica's death during it: on the survivors once more, see
+        ``WeightUpdates``); then the replicas in service hold the new version, and (with
+        "replace") the fleet keeps its tensors for a replacement."""
         replaces = self.fleet.replaces
         if replaces:
             for b in buckets or ():
                 b.resolve()  # mapped here before they are sent, to be read after
-        try:
-            apply()
-        except WorkerError as exc:
-            if not (exc.died and self.fleet.died_as(exc)):
-                raise
-            logger.warning(
-                "%s: %s died during a weight update; updating the others again", self.name, exc.worker
-            )
-            apply()
+        apply()
         named: Iterable[tuple[str, torch.Tensor]] | None
         if buckets is not None:
             named = (pair for b in buckets for pair in b.unpack()) if replaces else ()

@@ -216,3 +216,6 @@ class RayLink(GenerationLink):
     def close(self) -> None:
         """At shutdown, after ``release``: close the channels."""
         self.channels.close()
+
+    def survives(self, error: WorkerError) -> bool:
+        return error.died and self._gen.fleet.died_as(error)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
-from rollgen.errors import RefitError
+from rollgen.errors import RefitError, WorkerError
 from rollgen.refit.bucket import WeightBucket, pack_bucket
 from rollgen.refit.meta import Named, TensorMeta, Transport, WeightSpec
 from rollgen.refit.weight_sync import SyncGroup, SyncGroupSpec, receive
@@ -88,6 +88,11 @@ class EngineLink(Protocol):
         """Free what refits keep between them (staging buffers, tensors read in place)."""
         ...
 
+    def survives(self, error: WorkerError) -> bool:
+        """Whether the engines left after ``error`` take the update again (a replica's death
+        that a fleet with ``engine_failures: "replace"`` outlives)."""
+        ...
+
     def close(self) -> None:
         """At shutdown: end what the link holds (after ``release``)."""
         ...
@@ -137,6 +142,9 @@ class InProcessLink(GenerationLink):
 
     def clear_kv_cache(self) -> None:
         self._gen._clear_kv_cache()
+
+    def survives(self, error: WorkerError) -> bool:
+        return False
 
     def join_weight_sync(self, spec: SyncGroupSpec) -> Callable[[], None]:
         """The engine joins as rank 1 (returning once the sender has joined)."""

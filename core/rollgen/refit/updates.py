@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollgen.errors import RefitError, StaleWeights
+from rollgen.errors import RefitError, StaleWeights, WorkerError
 from rollgen.refit.bucket import WeightBucket, default_bucket_bytes, grouped, named_tensors
 from rollgen.refit.checks import (
     check_against_spec,
@@ -25,7 +25,7 @@ from rollgen.refit.checks import (
     require_finite,
 )
 from rollgen.refit.cuda_ipc import device_uuid
-from rollgen.refit.link import EngineLink
+from rollgen.refit.link import EngineLink, Packing
 from rollgen.refit.meta import Named, TensorMeta, WeightSpec
 from rollgen.refit.weight_sync import SyncBackend, SyncGroupSpec, WeightSender
 
@@ -99,7 +99,11 @@ class WeightUpdates:
         for b in buckets:
             check_reach(b, self.link.engine_devices)
         with self._in_flight(mode):
-            self._apply(buckets, len(buckets), partial, f"update_weights of {len(buckets)} bucket(s)")
+            self._surviving(
+                lambda: self._apply(
+                    buckets, len(buckets), partial, f"update_weights of {len(buckets)} bucket(s)"
+                )
+            )
 
     def refit(
         self,
@@ -145,7 +149,8 @@ class WeightUpdates:
             require_finite(named)
         # the source was checked; a cast to a narrower dtype may still overflow
         cast_check = packed_check or (check_finite and dtype is not None)
-        with self._in_flight(mode):
+
+        def attempt(packing: Packing | None) -> None:
             if sender is not None:
                 self._over_sync(
                     lambda: sender.send(
@@ -160,6 +165,13 @@ class WeightUpdates:
                 packing.prepare()
                 buckets = (packing.pack(group, cast_check) for group in packing.groups)
                 self._apply(buckets, len(packing.groups), partial, "refit")
+
+        with self._in_flight(mode):
+            self._surviving(
+                lambda: attempt(packing),
+                # packed again for the engines left: a dead one's buffers are gone with it
+                lambda: attempt(packing and self.link.packing(packing.groups, dtype)),
+            )
 
     def _bucket_groups(
         self, named: Named, bucket_bytes: int | None, dtype: torch.dtype | None
@@ -277,7 +289,7 @@ class WeightUpdates:
         if self._sender is not None:
             raise RefitError(f"{self.name}: this process is the group's sender; call refit(source)")
         with self._in_flight(mode):
-            self._over_sync(None)
+            self._surviving(lambda: self._over_sync(None))
 
     def _over_sync(self, send: Callable[[], None] | None) -> None:
         """Receive one update on every engine rank while ``send`` (if any) broadcasts it here."""
@@ -330,6 +342,21 @@ class WeightUpdates:
     def _in_flight(self, mode: UpdateMode) -> AbstractContextManager[None]:
         """Around an update's application: streamed samples in flight handled per ``mode``."""
         return self._streams.update(mode, fresh=lambda: self.stale is None)
+
+    def _surviving(self, attempt: Callable[[], None], again: Callable[[], None] | None = None) -> None:
+        """``attempt`` the update; where an engine's death ends it and the others survive it
+        (``link.survives``), update those once more (``again``, or ``attempt``), inside the
+        same handling of the samples in flight: a ``keep`` update's held samples continue
+        under the new version, and no engine left serves mixed weights."""
+        try:
+            attempt()
+        except WorkerError as exc:
+            if not self.link.survives(exc):
+                raise
+            logger.warning(
+                "%s: %s died during a weight update; updating the others again", self.name, exc.worker
+            )
+            (again or attempt)()
 
     def _mark_stale(self, why: str) -> None:
         self.stale = why
