@@ -57,4 +57,10 @@ def rollgen_conformance_known_failures(backend: str) -> Mapping[str, str]:
             "the same fp32 gap on the tokens of a keep-mode refit: max |dlogp| 8.8e-3 against the fp32 "
             "reference of each segment's weights (every version stamp and greedy token right)"
         ),
+        "test_sampling_distribution_and_raw_logprobs": (
+            "SGLang filters top-k and top-p jointly over the full distribution, not top-p over the "
+            "top-k distribution renormalized (the contract's order): at temperature 0.7, top-k 4, "
+            "top-p 0.596 it sampled two tokens the contract drops (p = 4.2e-18); and the fp32 gap: "
+            "raw logprobs up to 8.8e-3 from the fp32 reference"
+        ),
     }
