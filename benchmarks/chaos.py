@@ -1,9 +1,10 @@
-"""Chaos: a training-style loop on a vLLM fleet of DP=2 (``engine_failures: "replace"``) whose
+"""Chaos: a training-style loop on a vLLM (or hf-ray) fleet of DP=2 (``engine_failures: "replace"``) whose
 replicas are killed again and again, each time while a call runs (SIGKILL of a replica's actor,
 from a thread, a random moment into the call).
 
     python -m benchmarks.chaos --kills 50                 # vLLM-CPU, or vLLM on one CUDA GPU
     python -m benchmarks.chaos --kills 50 --out results/benchmarks/DATE-chaos   # chaos_*.json there
+    python -m benchmarks.chaos --kills 50 --backend hf-ray   # transformers engines in Ray actors (CPU)
 
 Each round (``rollgen.testing.chaos``): switch the weights (a refit, alternating between two
 perturbed copies of the tiny model), start a kill of a random replica, and run one call it lands
@@ -41,21 +42,24 @@ KILL_DELAY_S = (0.0, 0.05)
 RESTORE_S = 600.0
 
 
-def engine_config(kills: int, cuda: bool, compiled: bool = False) -> dict[str, Any]:
-    """The fleet's ``vllm_cfg``: DP=2, "replace", room for a replacement per kill; on CUDA both
-    engines on one GPU (half a GPU's Ray share and 30% of its memory each, as
+def engine_config(backend: str, kills: int, cuda: bool, compiled: bool = False) -> dict[str, Any]:
+    """The fleet's engine sub-dict: DP=2, "replace", room for a replacement per kill; for vLLM
+    on CUDA both engines on one GPU (half a GPU's Ray share and 30% of its memory each, as
     ``benchmarks.vllm_gpu`` shares a GPU), on CPU the tests' small KV caches and quick starts."""
-    engine: dict[str, Any] = {
-        "data_parallel_size": 2,
-        "engine_failures": "replace",
-        "max_restarts": kills + 1,
-        "enforce_eager": not compiled,
-    }
+    engine: dict[str, Any] = {"data_parallel_size": 2, "engine_failures": "replace"}
+    engine["max_restarts"] = kills + 1
+    if backend == "hf-ray":
+        return engine | {"cpus_per_bundle": 0.1}
+    engine["enforce_eager"] = not compiled
     if cuda:
         engine.update(gpus_per_bundle=0.5, gpu_memory_utilization=0.3, enable_sleep_mode=False)
     else:
         engine.update(kv_cache_memory_bytes=64 << 20, in_process=True, cpus_per_bundle=0.1)
     return engine
+
+
+#: Each backend's engine sub-dict.
+ENGINE_KEYS = {"vllm": "vllm_cfg", "hf-ray": "hf_cfg"}
 
 
 class TimedKill:
@@ -138,11 +142,16 @@ def summary(rows: list[dict[str, Any]], full_tok_s: float, gen: Any) -> dict[str
         "recovery_vs_share": statistics.median(recovery) / share if recovery else float("nan"),
         "restarts": [s.restarts for s in gen.replicas],
         "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "backend": gen.name,
     }
 
 
-def chaos(kills: int, seed: int, out_dir: str, compiled: bool = False) -> dict[str, Any]:
-    cfg = tiny_config("vllm", vllm_cfg=engine_config(kills, torch.cuda.is_available(), compiled))
+def chaos(
+    kills: int, seed: int, out_dir: str, compiled: bool = False, backend: str = "vllm"
+) -> dict[str, Any]:
+    engine = engine_config(backend, kills, torch.cuda.is_available(), compiled)
+    cfg = tiny_config(backend)
+    cfg[ENGINE_KEYS[backend]] = engine
     rng = random.Random(seed)
     rows: list[dict[str, Any]] = []
     with rollgen.create_generation(cfg) as gen:
@@ -165,9 +174,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compiled", action="store_true", help="CUDA graphs / torch.compile (slower starts)")
     parser.add_argument("--out", default="out/benchmarks")
+    parser.add_argument("--backend", choices=sorted(ENGINE_KEYS), default="vllm")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    row = chaos(args.kills, args.seed, args.out, args.compiled)
+    row = chaos(args.kills, args.seed, args.out, args.compiled, args.backend)
     print_table([row], list(row))
     print(write_results("chaos", [row], args.out))
 

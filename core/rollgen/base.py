@@ -243,10 +243,9 @@ class BaseGeneration(ABC):
         return resolve_sampling(self.cfg, batch, greedy, self.max_model_len, self.model_info.eos_token_ids)
 
     def _hits_stop_string(self, params: SampleParams, tokens: list[int]) -> bool:
-        """Whether ``tokens`` (a sample's generated tokens) hold one of its stop strings: the one
-        rule for every backend, the text as ``generate_text`` returns it (special tokens
-        skipped)."""
-        return any(s in self.tokenizer.decode(tokens, skip_special_tokens=True) for s in params.stop_strings)
+        """Whether ``tokens`` (a sample's generated tokens) hold one of its stop strings
+        (``rollgen.text.hits_stop_string``)."""
+        return text.hits_stop_string(self.tokenizer, params.stop_strings, tokens)
 
     @property
     def tokenizer(self) -> Any:

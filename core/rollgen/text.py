@@ -12,6 +12,12 @@ from rollgen.errors import InputError
 from rollgen.sampling import truncate_at_stop
 
 
+def hits_stop_string(tokenizer: Any, stop_strings: Sequence[str], tokens: list[int]) -> bool:
+    """Whether ``tokens`` (a sample's generated tokens) hold one of ``stop_strings``: the one rule
+    for every backend, the text as ``generate_text`` returns it (special tokens skipped)."""
+    return any(s in tokenizer.decode(tokens, skip_special_tokens=True) for s in stop_strings)
+
+
 def prompt_batch(tokenizer: Any, data: Any, pad_token_id: int) -> dict[str, Any] | None:
     """The batch of ``{"prompts": [str, ...], "stop_strings": ...}`` (encoded without special
     tokens, right-padded); None for no prompts. InputError for anything else, or a prompt that

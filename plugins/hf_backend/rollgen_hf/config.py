@@ -1,10 +1,11 @@
-"""Config type of the ``hf`` backend (light: no transformers import)."""
+"""Config types of the ``hf`` and ``hf-ray`` backends (light: no transformers or Ray import)."""
 
 from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 from typing_extensions import NotRequired, TypedDict
 
+from rollgen.distributed.config import RayEngineCfg
 from rollgen.spec import EngineSubDict, GenerationConfig
 
 
@@ -18,5 +19,18 @@ class HfCfg(TypedDict):
 
 class HfConfig(GenerationConfig):
     hf_cfg: NotRequired[EngineSubDict[HfCfg]]
+    #: Passed to ``AutoModelForCausalLM.from_pretrained`` as is.
+    hf_kwargs: NotRequired[Annotated[dict[str, Any], Field(default_factory=dict)]]
+
+
+class HfRayCfg(RayEngineCfg):
+    """``hf_cfg`` of the ``hf-ray`` backend: the Ray engines' keys (the device is the one Ray
+    gives each engine; ``tensor_parallel_size`` stays 1)."""
+
+    attn_implementation: NotRequired[Annotated[Literal["eager", "sdpa"] | None, Field(default=None)]]
+
+
+class HfRayConfig(GenerationConfig):
+    hf_cfg: NotRequired[EngineSubDict[HfRayCfg]]
     #: Passed to ``AutoModelForCausalLM.from_pretrained`` as is.
     hf_kwargs: NotRequired[Annotated[dict[str, Any], Field(default_factory=dict)]]

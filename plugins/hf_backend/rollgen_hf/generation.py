@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from rollgen.base import BaseGeneration
 from rollgen.data import BatchedDataDict, right_pad
@@ -19,6 +17,7 @@ from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.streaming_loop import StepLoop
 from rollgen_hf.decode import Cohorts, Decoder
+from rollgen_hf.model import load_model, offload, release_memory
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +42,13 @@ class HfGeneration(BaseGeneration):
             raise ConfigError(f"hf_cfg.device {device!r} is not a torch device: {exc}") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"hf_cfg.device {device!r}: CUDA is not available here; use 'cpu' or 'auto'")
-        kwargs = dict(self.cfg["hf_kwargs"])
-        if hf_cfg["attn_implementation"] is not None:
-            kwargs["attn_implementation"] = hf_cfg["attn_implementation"]
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                self.cfg["model_name"], dtype=self.engine_dtype, **kwargs
-            )
-        except TypeError as exc:  # a keyword the model's constructor does not take
-            raise ConfigError(f"hf_kwargs {sorted(kwargs)} were not accepted: {exc}") from None
-        self.model = model.to(self.device).eval()
+        self.model = load_model(
+            self.cfg["model_name"],
+            self.engine_dtype,
+            self.device,
+            hf_cfg["attn_implementation"],
+            self.cfg["hf_kwargs"],
+        )
         # draws for samples without a seed (with a config seed, the core seeds every sample)
         self._generator = torch.Generator()
         self._generator.seed()
@@ -121,9 +117,7 @@ class HfGeneration(BaseGeneration):
 
     def _sleep(self) -> None:
         if self.device.type == "cuda":
-            self.model.to("cpu")
-            gc.collect()
-            torch.cuda.empty_cache()
+            offload(self.model)
 
     def _wake(self, tags: list[str]) -> None:
         if self.device.type == "cuda" and "weights" in tags:
@@ -132,6 +126,4 @@ class HfGeneration(BaseGeneration):
     def _shutdown(self) -> None:
         self._decoding.stop()
         del self.model
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_memory(self.device)
