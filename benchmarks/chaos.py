@@ -46,8 +46,11 @@ def engine_config(backend: str, kills: int, cuda: bool, compiled: bool = False) 
     """The fleet's engine sub-dict: DP=2, "replace", room for a replacement per kill; for vLLM
     on CUDA both engines on one GPU (half a GPU's Ray share and 30% of its memory each, as
     ``benchmarks.vllm_gpu`` shares a GPU), on CPU the tests' small KV caches and quick starts."""
-    engine: dict[str, Any] = {"data_parallel_size": 2, "engine_failures": "replace"}
-    engine["max_restarts"] = kills + 1
+    engine: dict[str, Any] = {
+        "data_parallel_size": 2,
+        "engine_failures": "replace",
+        "max_restarts": kills + 1,
+    }
     if backend == "hf-ray":
         return engine | {"cpus_per_bundle": 0.1}
     engine["enforce_eager"] = not compiled

@@ -4,9 +4,8 @@ links, replacement of dead replicas) over the ``hf`` backend's decoding."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from rollgen.distributed import RayGeneration
+from rollgen.distributed.generation import EnginePlan
 from rollgen.errors import ConfigError
 
 
@@ -16,10 +15,11 @@ class HfRayGeneration(RayGeneration):
     worker_cls = "rollgen_hf.worker:HfWorker"
     engine_key = "hf_cfg"
 
-    def machine_defaults(self, engine: dict[str, Any], use_gpus: bool) -> dict[str, Any]:
-        if engine["tensor_parallel_size"] != 1:
+    def make_plan(self, use_gpus: bool) -> EnginePlan:
+        plan = super().make_plan(use_gpus)
+        if plan.spec.tensor_parallel_size != 1:
             raise ConfigError(
-                f"hf_cfg.tensor_parallel_size={engine['tensor_parallel_size']}: the hf-ray backend runs "
+                f"hf_cfg.tensor_parallel_size={plan.spec.tensor_parallel_size}: the hf-ray backend runs "
                 "one model per engine; scale out with data_parallel_size, or use vllm or sglang for TP"
             )
-        return dict(engine)
+        return plan
