@@ -10,7 +10,9 @@ ready (or ``RayGeneration.restore_replicas``), it is sent the weights the fleet 
 (``RetainedWeights``: the latest value of every tensor an update from this process sent) and
 only then serves. Updates made while it started count, since the fleet keeps the latest ones;
 an update that came over a weight-sync group cannot be retained (a new engine cannot join a
-group of fixed size), so a replica that would need it stays out, with the reason."""
+group of fixed size), so a replica that would need it stays out, with the reason, until a
+complete update from this process or over a new group (``sync_members``: every replica joins
+it, a replacement too)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import torch
 
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.worker import EngineWorker, GenerateRequest
-from rollgen.errors import WorkerError
+from rollgen.errors import RefitError, WorkerError
 from rollgen.refit.bucket import WeightBucket, grouped, pack_bucket
 from rollgen.sampling import SampleParams
 
@@ -119,6 +121,8 @@ class Fleet:
         self.max_restarts, self.window_s = int(engine["max_restarts"]), float(engine["restart_window_s"])
         self.replicas = [_Replica() for _ in gen.group.workers]
         self.weights = RetainedWeights()
+        #: The members of the current weight-sync group: replica index -> its restarts then.
+        self._sync: dict[int, int] = {}
         self._lock = threading.RLock()
 
     @property
@@ -247,10 +251,63 @@ class Fleet:
             if exc.died:
                 self._replace(index)
             return
-        replica.version = version
+        self._serve(index, version)
+
+    def _serve(self, index: int, version: int) -> None:
+        """Put replica ``index``, now at weight ``version``, in service."""
+        self.replicas[index].version = version
         self.gen.group.out.discard(index)
         self.gen._dispatcher.reopen(index, int(self.gen.engine_info[index]["capacity"]))
         self._move(index, "healthy", f"at weight version {version}")
+
+    # ---- the weight-sync group ------------------------------------------------------------------
+    def sync_members(self, timeout_s: float) -> list[int]:
+        """The replicas that join a new weight-sync group: every one, a replacement still
+        starting waited for up to ``timeout_s`` (a group's size is fixed). Recorded as the
+        group's members once ``joined``.
+
+        Raises:
+            RefitError: a replica is not running (it stays out, or did not start in time)."""
+        with self._lock:
+            if any(r.state == "starting" for r in self.replicas):
+                self.admit(timeout_s)
+            names = self.gen.group.names
+            missing = [
+                f"{names[i]} ({r.state}: {r.last_error})"
+                for i, r in enumerate(self.replicas)
+                if r.state not in ("healthy", "stale")
+            ]
+            if missing:
+                raise RefitError(
+                    f"{self.gen.name}: a weight-sync group needs every replica, and {', '.join(missing)} "
+                    "is not running; call gen.restore_replicas(timeout_s) and make the group again, or "
+                    "refit from this process"
+                )
+            return list(range(len(self.replicas)))
+
+    def joined(self, members: list[int]) -> None:
+        """``members`` formed the current weight-sync group."""
+        self._sync = {i: self.replicas[i].restarts for i in members}
+
+    def sync_lost(self) -> str | None:
+        """Why the current weight-sync group cannot carry an update: a member died since it
+        formed (None: every member is there)."""
+        lost = [
+            self.gen.group.names[i]
+            for i, restarts in self._sync.items()
+            if self.replicas[i].restarts != restarts or self.replicas[i].state in ("dead", "starting")
+        ]
+        if not lost:
+            return None
+        return (
+            f"{', '.join(lost)} died since the weight-sync group formed, and a group's size is fixed: make "
+            "a new group (a new WeightSender, then gen.init_weight_sync with its spec: every replica joins "
+            "it, a replacement too) and send a complete update over it"
+        )
+
+    def sync_receivers(self) -> list[int]:
+        """The members of the current weight-sync group (each takes part in every update)."""
+        return sorted(self._sync)
 
     # ---- updates --------------------------------------------------------------------------------
     def updated(self, named: Iterable[tuple[str, torch.Tensor]] | None, partial: bool) -> None:
@@ -261,6 +318,10 @@ class Fleet:
             self.replicas[index].version = version
         if not self.replaces:
             return
+        if named is None and not partial:  # a complete update reached every member, stale ones too
+            for index in self.sync_receivers():
+                if self.replicas[index].state == "stale":
+                    self._serve(index, version)
         if named is None:
             self.weights.lose(
                 f"weight version {version} came over a weight-sync group, which a new engine cannot join",

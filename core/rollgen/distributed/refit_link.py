@@ -16,7 +16,7 @@ import ray
 import torch
 
 from rollgen.distributed.worker import EngineWorker
-from rollgen.errors import WorkerError
+from rollgen.errors import RefitError, WorkerError
 from rollgen.refit import Named, WeightBucket, WeightSpec, channel
 from rollgen.refit.channel import EngineChannels
 from rollgen.refit.in_place import InPlaceSources
@@ -136,19 +136,30 @@ class RayLink(GenerationLink):
 
     # ---- the weight-sync group ------------------------------------------------------------------
     def join_weight_sync(self, spec: SyncGroupSpec) -> Callable[[], None]:
-        ranks = self._gen.ranks_per_engine
-        refs = self.group.submit(
-            EngineWorker.join_weight_sync, [(spec, 1 + i * ranks) for i in range(self._gen.dp_size)]
-        )
+        """Every replica joins (``Fleet.sync_members``), one not in service too."""
+        fleet, ranks = self._gen.fleet, self._gen.ranks_per_engine
+        members = fleet.sync_members(spec.timeout_s)
+        args = [(spec, 1 + i * ranks) for i in range(self._gen.dp_size)]
+        refs = self.group.submit(EngineWorker.join_weight_sync, args, members)
 
         def joined() -> None:
-            self.group.get(refs)
+            self.group.get(refs, names=[self.group.names[i] for i in members])
+            fleet.joined(members)
 
         return joined
 
     def receive_weights(self, spec: WeightSpec) -> Callable[[], bool]:
-        refs = self.group.submit(EngineWorker.receive_weights, [(spec,)] * self._gen.dp_size)
-        return lambda: self.group.get(refs)[0]
+        """Every member of the group receives (a stale one too).
+
+        Raises:
+            RefitError: a member died since the group formed (nothing is sent)."""
+        fleet = self._gen.fleet
+        lost = fleet.sync_lost()
+        if lost is not None:
+            raise RefitError(f"{self._gen.name}: {lost}")
+        members = fleet.sync_receivers()
+        refs = self.group.submit(EngineWorker.receive_weights, [(spec,)] * self._gen.dp_size, members)
+        return lambda: self.group.get(refs, names=[self.group.names[i] for i in members])[0]
 
     # ---- a replaced engine (rollgen.distributed.fleet) -------------------------------------------
     def drop(self, engine: int) -> None:

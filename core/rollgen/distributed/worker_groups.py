@@ -129,12 +129,20 @@ class RayWorkerGroup:
         themselves."""
         return self.get(self.submit(method, [args] * len(self.workers)))
 
-    def submit(self, method: Callable[..., Any], args: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Start ``method`` on every leader in service, leader i with ``args[i]``; returns the
-        refs for ``get``."""
+    def submit(
+        self,
+        method: Callable[..., Any],
+        args: Sequence[tuple[Any, ...]],
+        engines: Sequence[int] | None = None,
+    ) -> list[Any]:
+        """Start ``method`` on every leader in service (or on ``engines``), leader i with
+        ``args[i]``; returns the refs for ``get`` (given ``engines``, with their names)."""
         if len(args) != len(self.workers):
             raise ValueError(f"{len(args)} argument tuples for {len(self.workers)} workers")
-        return [getattr(self.workers[i], method.__name__).remote(*args[i]) for i in self.live]
+        return [
+            getattr(self.workers[i], method.__name__).remote(*args[i])
+            for i in (self.live if engines is None else engines)
+        ]
 
     def restart(self, index: int, ready: Callable[..., Any]) -> Any:
         """End engine ``index``'s actor (its tied group goes with it) and start a new one on the

@@ -321,7 +321,8 @@ class WeightUpdates:
         if self.stale is not None:
             raise StaleWeights(
                 f"{self.name}: {self.stale}; the engine may hold a mix of old and new weights. "
-                "Call refit() (or update_weights()) with the complete weights before generating"
+                "Call refit() (or update_weights()) with the complete weights, or send a complete "
+                "update over a weight-sync group, before generating"
             )
 
     # ---- what the engine did between updates ----------------------------------------------------
