@@ -261,10 +261,10 @@ class Fleet:
         self._move(index, "healthy", f"at weight version {version}")
 
     # ---- the weight-sync group ------------------------------------------------------------------
-    def sync_members(self, timeout_s: float) -> list[int]:
+    def sync_members(self, timeout_s: float) -> dict[int, int]:
         """The replicas that join a new weight-sync group: every one, a replacement still
-        starting waited for up to ``timeout_s`` (a group's size is fixed). Recorded as the
-        group's members once ``joined``.
+        starting waited for up to ``timeout_s`` (a group's size is fixed): index -> its restarts
+        now, recorded as the group's members once ``joined``.
 
         Raises:
             RefitError: a replica is not running (it stays out, or did not start in time)."""
@@ -283,11 +283,11 @@ class Fleet:
                     "is not running; call gen.restore_replicas(timeout_s) and make the group again, or "
                     "refit from this process"
                 )
-            return list(range(len(self.replicas)))
+            return {i: r.restarts for i, r in enumerate(self.replicas)}
 
-    def joined(self, members: list[int]) -> None:
-        """``members`` formed the current weight-sync group."""
-        self._sync = {i: self.replicas[i].restarts for i in members}
+    def joined(self, members: dict[int, int]) -> None:
+        """``members`` (from ``sync_members``) formed the current weight-sync group."""
+        self._sync = dict(members)
 
     def sync_lost(self) -> str | None:
         """Why the current weight-sync group cannot carry an update: a member died since it
@@ -319,9 +319,10 @@ class Fleet:
         if not self.replaces:
             return
         if named is None and not partial:  # a complete update reached every member, stale ones too
-            for index in self.sync_receivers():
-                if self.replicas[index].state == "stale":
-                    self._serve(index, version)
+            with self._lock:
+                for index in self.sync_receivers():
+                    if self.replicas[index].state == "stale":
+                        self._serve(index, version)
         if named is None:
             self.weights.lose(
                 f"weight version {version} came over a weight-sync group, which a new engine cannot join",

@@ -140,7 +140,7 @@ class RayLink(GenerationLink):
         fleet, ranks = self._gen.fleet, self._gen.ranks_per_engine
         members = fleet.sync_members(spec.timeout_s)
         args = [(spec, 1 + i * ranks) for i in range(self._gen.dp_size)]
-        refs = self.group.submit(EngineWorker.join_weight_sync, args, members)
+        refs = self.group.submit(EngineWorker.join_weight_sync, args, list(members))
 
         def joined() -> None:
             self.group.get(refs, names=[self.group.names[i] for i in members])
@@ -154,11 +154,12 @@ class RayLink(GenerationLink):
         Raises:
             RefitError: a member died since the group formed (nothing is sent)."""
         fleet = self._gen.fleet
-        lost = fleet.sync_lost()
-        if lost is not None:
-            raise RefitError(f"{self._gen.name}: {lost}")
-        members = fleet.sync_receivers()
-        refs = self.group.submit(EngineWorker.receive_weights, [(spec,)] * self._gen.dp_size, members)
+        with fleet._lock:  # no replica replaced between the check and the calls
+            lost = fleet.sync_lost()
+            if lost is not None:
+                raise RefitError(f"{self._gen.name}: {lost}")
+            members = fleet.sync_receivers()
+            refs = self.group.submit(EngineWorker.receive_weights, [(spec,)] * self._gen.dp_size, members)
         return lambda: self.group.get(refs, names=[self.group.names[i] for i in members])[0]
 
     # ---- a replaced engine (rollgen.distributed.fleet) -------------------------------------------
