@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -289,25 +289,30 @@ class Fleet:
         """``members`` (from ``sync_members``) formed the current weight-sync group."""
         self._sync = dict(members)
 
-    def sync_lost(self) -> str | None:
-        """Why the current weight-sync group cannot carry an update: a member died since it
-        formed (None: every member is there)."""
-        lost = [
-            self.gen.group.names[i]
-            for i, restarts in self._sync.items()
-            if self.replicas[i].restarts != restarts or self.replicas[i].state in ("dead", "starting")
-        ]
-        if not lost:
-            return None
-        return (
-            f"{', '.join(lost)} died since the weight-sync group formed, and a group's size is fixed: make "
-            "a new group (a new WeightSender, then gen.init_weight_sync with its spec: every replica joins "
-            "it, a replacement too) and send a complete update over it"
-        )
+    def sync_submit(
+        self, method: Callable[..., Any], args: list[tuple[Any, ...]]
+    ) -> tuple[list[Any], list[str]]:
+        """Start ``method`` on every member of the current weight-sync group (a stale one too:
+        each takes part in every update); its refs and the members' names, for ``group.get``.
 
-    def sync_receivers(self) -> list[int]:
-        """The members of the current weight-sync group (each takes part in every update)."""
-        return sorted(self._sync)
+        Raises:
+            RefitError: a member died since the group formed (nothing is started)."""
+        names = self.gen.group.names
+        with self._lock:  # no replica replaced between the check and the calls
+            lost = [
+                names[i]
+                for i, restarts in self._sync.items()
+                if self.replicas[i].restarts != restarts or self.replicas[i].state in ("dead", "starting")
+            ]
+            if lost:
+                raise RefitError(
+                    f"{self.gen.name}: {', '.join(lost)} died since the weight-sync group formed, and a "
+                    "group's size is fixed: make a new group (a new WeightSender, then gen.init_weight_sync "
+                    "with its spec: every replica joins it, a replacement too) and send a complete update "
+                    "over it"
+                )
+            members = sorted(self._sync)
+            return self.gen.group.submit(method, args, members), [names[i] for i in members]
 
     # ---- updates --------------------------------------------------------------------------------
     def updated(self, named: Iterable[tuple[str, torch.Tensor]] | None, partial: bool) -> None:
@@ -320,7 +325,7 @@ class Fleet:
             return
         if named is None and not partial:  # a complete update reached every member, stale ones too
             with self._lock:
-                for index in self.sync_receivers():
+                for index in self._sync:
                     if self.replicas[index].state == "stale":
                         self._serve(index, version)
         if named is None:

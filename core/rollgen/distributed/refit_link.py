@@ -16,7 +16,7 @@ import ray
 import torch
 
 from rollgen.distributed.worker import EngineWorker
-from rollgen.errors import RefitError, WorkerError
+from rollgen.errors import WorkerError
 from rollgen.refit import Named, WeightBucket, WeightSpec, channel
 from rollgen.refit.channel import EngineChannels
 from rollgen.refit.in_place import InPlaceSources
@@ -149,18 +149,9 @@ class RayLink(GenerationLink):
         return joined
 
     def receive_weights(self, spec: WeightSpec) -> Callable[[], bool]:
-        """Every member of the group receives (a stale one too).
-
-        Raises:
-            RefitError: a member died since the group formed (nothing is sent)."""
-        fleet = self._gen.fleet
-        with fleet._lock:  # no replica replaced between the check and the calls
-            lost = fleet.sync_lost()
-            if lost is not None:
-                raise RefitError(f"{self._gen.name}: {lost}")
-            members = fleet.sync_receivers()
-            refs = self.group.submit(EngineWorker.receive_weights, [(spec,)] * self._gen.dp_size, members)
-        return lambda: self.group.get(refs, names=[self.group.names[i] for i in members])[0]
+        """Every member of the group receives (``Fleet.sync_submit``: a stale one too)."""
+        refs, names = self._gen.fleet.sync_submit(EngineWorker.receive_weights, [(spec,)] * self._gen.dp_size)
+        return lambda: self.group.get(refs, names=names)[0]
 
     # ---- a replaced engine (rollgen.distributed.fleet) -------------------------------------------
     def drop(self, engine: int) -> None:
