@@ -15,7 +15,15 @@ import torch
 from rollgen import Backend, BaseGeneration, BatchedDataDict, Capability, GenerationConfig, WeightBucket
 from rollgen.data import right_pad
 from rollgen.output import assemble_from_lists, stop_reason
-from rollgen.rollout import FinishedSample, Rollout, SampleRequest, SampleResult, Streams, UpdateMode
+from rollgen.rollout import (
+    FinishedSample,
+    Rollout,
+    SampleProgress,
+    SampleRequest,
+    SampleResult,
+    Streams,
+    UpdateMode,
+)
 from rollgen.sampling import SampleParams
 
 #: Token ids of the stand-in backend's made-up vocabulary (``Streams`` tests).
@@ -77,8 +85,21 @@ class Recorder:
     ) -> None:
         """Report the end of the sample started as ``request``."""
         assert self.streams is not None
-        lps = tuple(logprobs) if logprobs is not None else tuple(-0.5 - t / 100 for t in tokens)
-        self.streams.deliver([FinishedSample(request.key, tuple(tokens), lps, aborted, error)])
+        self.streams.deliver(
+            [FinishedSample(request.key, tuple(tokens), _logprobs(tokens, logprobs), aborted, error)]
+        )
+
+    def made(
+        self, request: SampleRequest, tokens: Sequence[int], logprobs: Sequence[float] | None = None
+    ) -> None:
+        """Report new tokens of the sample started as ``request`` (``SampleProgress``)."""
+        assert self.streams is not None
+        self.streams.progress([SampleProgress(request.key, tuple(tokens), _logprobs(tokens, logprobs))])
+
+
+def _logprobs(tokens: Sequence[int], logprobs: Sequence[float] | None) -> tuple[float, ...]:
+    """``logprobs``, or made-up ones of ``tokens``."""
+    return tuple(logprobs) if logprobs is not None else tuple(-0.5 - t / 100 for t in tokens)
 
 
 def sample_params(max_new_tokens: int = 8) -> SampleParams:
@@ -112,12 +133,17 @@ class StandInBackend(Recorder):
         return self.streams
 
     def submit(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 8, tag: Any = None
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 8,
+        tag: Any = None,
+        stream_tokens: bool = False,
     ) -> tuple[Rollout, list[SampleRequest]]:
         """Submit a batch as ``BaseGeneration.submit`` does; returns the rollout and the requests
         started by this call (none while an update holds new samples)."""
         ids, lengths = right_pad([list(p) for p in prompts], PAD, torch.long)
-        rollout = Rollout(self.book, BatchedDataDict({"input_ids": ids, "input_lengths": lengths}), PAD, tag)
+        batch = BatchedDataDict({"input_ids": ids, "input_lengths": lengths})
+        rollout = Rollout(self.book, batch, PAD, tag, stream_tokens)
         before = len(self.started)
         self.book.submit(rollout, [tuple(p) for p in prompts], [sample_params(max_new_tokens)] * len(prompts))
         return rollout, self.started[before:]
@@ -166,8 +192,10 @@ def update_in_thread(
 def drain(rollout: Rollout) -> list[SampleResult]:
     """The results of ``rollout`` not yet taken, to its end. Each must be delivered already: a
     sample still in flight fails the test here rather than blocking it."""
-    results = rollout_take(rollout, rollout.size - rollout._taken)
-    assert rollout._next(block=False) is None, "a rollout yielded more results than it has samples"
+    results = rollout_take(rollout, rollout.size - rollout._results_feed.results_taken)
+    assert rollout._next(rollout._results_feed, block=False) is None, (
+        "a rollout yielded more results than it has samples"
+    )
     return results
 
 
@@ -176,7 +204,7 @@ def rollout_take(rollout: Rollout, count: int) -> list[SampleResult]:
     fails the test here rather than blocking it (``Rollout``'s own iteration waits for it)."""
     results: list[SampleResult] = []
     for _ in range(count):
-        result = rollout._next(block=False)
+        result = rollout._next(rollout._results_feed, block=False)
         assert result is not None, f"only {len(results)} of {count} results were delivered"
         results.append(result)
     return results

@@ -13,13 +13,23 @@ import threading
 
 import pytest
 import torch
-from rollout_standins import DEADLINE_S, EOS, PAD, STOP, InThread, StandInBackend, drain, sample_params
+from rollout_standins import (
+    DEADLINE_S,
+    EOS,
+    PAD,
+    STOP,
+    InThread,
+    StandInBackend,
+    drain,
+    sample_params,
+    update_in_thread,
+)
 
 import rollgen
 from rollgen import BatchedDataDict
 from rollgen.data import right_pad
-from rollgen.errors import InputError, RollgenError
-from rollgen.rollout import FinishedSample, Rollout, SampleRequest, SampleResult, Streams
+from rollgen.errors import InputError, OutputError, RollgenError
+from rollgen.rollout import FinishedSample, Rollout, SampleRequest, SampleResult, Streams, TokenDelta
 
 
 # ---- Streams: results, order, groups ----------------------------------------------------------------
@@ -246,3 +256,81 @@ def test_a_report_whose_logprobs_do_not_match_its_tokens_fails_that_rollout_only
         bad.wait()
     assert [r.token_ids for r in good.wait()] == [[32, EOS]]
     assert backend.book.in_flight == 0
+
+
+# ---- token streaming ------------------------------------------------------------------------------
+def test_streamed_tokens_come_as_deltas_then_the_result() -> None:
+    """A rollout submitted with ``stream_tokens``: each sample's progress reports become deltas
+    (positions and version), the tokens its end adds one more, then its result; the deltas
+    hold the result's tokens; the results' own iteration is as without streaming."""
+    backend = StandInBackend()
+    rollout, (a, b) = backend.submit([(5,), (6,)], stream_tokens=True)
+    assert a.stream_tokens and b.stream_tokens
+    backend.made(a, (10, 11), (-0.1, -0.2))
+    backend.made(b, (20,))
+    backend.made(a, (12,))
+    backend.finish(a, (10, 11, 12, 13, EOS))
+    backend.finish(b, (20,), aborted=False)
+    events = list(rollout.events())
+    deltas = [(e.index, e.start, e.token_ids, e.version) for e in events if isinstance(e, TokenDelta)]
+    assert deltas == [(0, 0, (10, 11), 0), (1, 0, (20,), 0), (0, 2, (12,), 0), (0, 3, (13, EOS), 0)]
+    assert [e.index for e in events if isinstance(e, SampleResult)] == [0, 1]
+    assert isinstance(events[-1], SampleResult), "a sample's result comes after its last delta"
+    assert events[0].logprobs == (-0.1, -0.2)
+    assert [r.index for r in drain(rollout)] == [0, 1], "the results' own iteration is unchanged"
+
+
+def test_a_kept_sample_streams_its_continuation_under_the_new_version() -> None:
+    """A ``keep`` update cuts a streaming sample: the tokens of the cut the engine had not
+    reported yet come as a delta, its continuation's under the new version."""
+    backend = StandInBackend()
+    rollout, (first,) = backend.submit([(5,)], stream_tokens=True)
+    backend.made(first, (10,))
+    update = update_in_thread(backend.book, "keep")
+    backend.wait_aborts(1)
+    backend.finish(first, (10, 11), aborted=True)
+    update.result()
+    (second,) = backend.started[1:]
+    backend.made(second, (12,))
+    backend.finish(second, (12, EOS))
+    got = [(e.start, e.token_ids, e.version) for e in rollout.events() if isinstance(e, TokenDelta)]
+    assert got == [(0, (10,), 0), (1, (11,), 0), (2, (12,), 1), (3, (EOS,), 1)]
+    (result,) = rollout.wait()
+    assert result.token_ids == [10, 11, 12, EOS] and result.versions == ((0, 0), (1, 2))
+
+
+def test_an_end_that_contradicts_the_reported_progress_fails_the_rollout() -> None:
+    backend = StandInBackend()
+    rollout, (a,) = backend.submit([(5,)], stream_tokens=True)
+    backend.made(a, (10, 11))
+    backend.finish(a, (10, 99, EOS))
+    with pytest.raises(OutputError, match="does not start with the 2 tokens"):
+        rollout.wait()
+
+
+def test_events_need_stream_tokens_and_stray_progress_is_dropped() -> None:
+    backend = StandInBackend()
+    rollout, (a,) = backend.submit([(5,)])
+    assert not a.stream_tokens
+    with pytest.raises(InputError, match="stream_tokens=True"):
+        rollout.events()
+    backend.finish(a, (10, EOS))
+    backend.made(a, (11,))  # after its end: dropped, nothing raised
+    assert rollout.wait()[0].token_ids == [10, EOS]
+
+
+def test_events_from_asyncio() -> None:
+    backend = StandInBackend()
+    rollout, (a,) = backend.submit([(5,)], stream_tokens=True)
+
+    async def read() -> list[object]:
+        seen: list[object] = []
+        async for event in rollout.events():
+            seen.append(event)
+            if isinstance(event, TokenDelta) and event.start == 0:
+                threading.Thread(target=backend.finish, args=(a, (10, EOS))).start()
+        return seen
+
+    backend.made(a, (10,))
+    seen = asyncio.run(read())
+    assert [type(e).__name__ for e in seen] == ["TokenDelta", "TokenDelta", "SampleResult"]

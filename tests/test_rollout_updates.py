@@ -80,6 +80,25 @@ def test_update_abort_ends_running_samples_aborted_with_their_tokens() -> None:
     assert late.wait()[0].versions == ((1, 0),)
 
 
+def test_update_abort_restarts_a_started_sample_with_no_token_on_the_new_weights() -> None:
+    """A sample the engine started but that made no token when an ``abort`` update came loses
+    nothing by starting again: it runs on the new weights rather than ending empty."""
+    backend = StandInBackend()
+    rollout, (empty, some) = backend.submit([(5,), (6,)])
+    update = update_in_thread(backend.book, "abort")
+    backend.wait_aborts(1)
+    backend.finish(empty, (), aborted=True)
+    backend.finish(some, (90,), (-0.3,), aborted=True)
+    update.result()
+    (again,) = backend.started[2:]
+    assert again.prompt_ids == (5,) and again.params.max_new_tokens == 8 and again.key != empty.key
+    backend.finish(again, (91, EOS))
+    first, second = rollout.wait()
+    assert first.token_ids == [91, EOS] and first.stop_reason == "eos"
+    assert first.versions == ((1, 0),), "stamped with the version it ran under"
+    assert second.stop_reason == "aborted" and second.token_ids == [90]
+
+
 def test_update_keep_continues_samples_from_prompt_plus_tokens_under_the_new_version() -> None:
     backend = StandInBackend()
     rollout, (a, b) = backend.submit([(5, 6, 7), (8,)], max_new_tokens=8)

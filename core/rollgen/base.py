@@ -288,7 +288,13 @@ class BaseGeneration(ABC):
 
     @serialised
     def submit(
-        self, data: Mapping[str, Any], greedy: bool = False, *, tag: Any = None, replica: int | None = None
+        self,
+        data: Mapping[str, Any],
+        greedy: bool = False,
+        *,
+        tag: Any = None,
+        replica: int | None = None,
+        stream_tokens: bool = False,
     ) -> Rollout:
         """Start generating for a batch; returns at once the ``Rollout`` that yields each
         sample's result as it finishes.
@@ -296,7 +302,8 @@ class BaseGeneration(ABC):
         Args:
             data, greedy: as in ``generate``. tag: the caller's name for the rollout, on each
                 result. replica: the data-parallel replica to prefer while it has room (one
-                holding the prompts' prefix); None: the least loaded.
+                holding the prompts' prefix); None: the least loaded. stream_tokens: the
+                samples' tokens are also reported as they are made (``Rollout.events``).
 
         Raises:
             UnsupportedCapability: without ``async``; else as ``generate``.
@@ -306,7 +313,7 @@ class BaseGeneration(ABC):
         self.require(Capability.ASYNC, "submit (streamed rollouts)")
         check_replica(replica, max(1, len(self.replica_load())))
         batch, params = self._prepare(data, greedy)
-        rollout = Rollout(self._streams, batch, self.cfg["pad_token_id"], tag)
+        rollout = Rollout(self._streams, batch, self.cfg["pad_token_id"], tag, stream_tokens)
         self.updates.generated()
         self._streams.submit(rollout, unpad(batch["input_ids"], batch["input_lengths"]), params, replica)
         return rollout

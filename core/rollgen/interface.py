@@ -69,11 +69,18 @@ class GenerationInterface(Protocol):
         """Right-padded ``input_ids``/``input_lengths`` in; GenerationOutputSpec out."""
 
     def submit(
-        self, data: Mapping[str, Any], greedy: bool = False, *, tag: Any = None, replica: int | None = None
+        self,
+        data: Mapping[str, Any],
+        greedy: bool = False,
+        *,
+        tag: Any = None,
+        replica: int | None = None,
+        stream_tokens: bool = False,
     ) -> Rollout:
         """``generate``'s input in; returns at once a ``Rollout`` that yields each sample as it
         finishes, each result carrying ``tag`` (capability ``async``); ``replica``: the
-        data-parallel replica to prefer while it has room."""
+        data-parallel replica to prefer while it has room; ``stream_tokens``: each sample's
+        tokens also as they are made (``Rollout.events``)."""
 
     def replica_load(self) -> list[ReplicaLoad]:
         """Each data-parallel replica's streamed samples (empty for a backend of one engine)."""

@@ -50,6 +50,19 @@ class SampleRequest:
     prompt_ids: tuple[int, ...]
     params: SampleParams
     replica: int | None = None
+    #: Whether the caller reads its tokens as they are made (``submit(..., stream_tokens=True)``):
+    #: a backend that can reports them as ``SampleProgress`` before the sample's end.
+    stream_tokens: bool = False
+
+
+@dataclass(frozen=True)
+class SampleProgress:
+    """A backend's report of tokens a running sample made since its last report (only for
+    samples started with ``stream_tokens``; optional: the end's report carries every token)."""
+
+    key: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -116,6 +129,24 @@ class SampleResult:
         return [v for v, first in self.versions if first <= position][-1]
 
 
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of a sample (``Rollout.events`` of a rollout submitted with
+    ``stream_tokens=True``): ``start`` is the position of the first among the sample's generated
+    tokens, ``version`` the weight version that made them. A sample's deltas, in order, hold its
+    result's tokens; its ``SampleResult`` comes after the last."""
+
+    index: int
+    start: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    version: int
+    rollout_id: int = field(default=-1, compare=False)
+    #: Whether they are the sample's last (its result comes next, and may cut its text short:
+    #: a stop string they complete).
+    final: bool = False
+
+
 @dataclass
 class _Sample:
     rollout: Rollout
@@ -134,6 +165,8 @@ class _Sample:
     replica: int | None = None
     #: When it was last handed to the backend (``time.monotonic()``; None: not yet).
     started: float | None = None
+    #: The tokens of its current run the backend reported before the run's end (``SampleProgress``).
+    progress: list[int] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -142,7 +175,16 @@ class _Sample:
     def request(self) -> SampleRequest:
         done = len(self.token_ids)
         params = dataclasses.replace(self.params, max_new_tokens=self.params.max_new_tokens - done)
-        return SampleRequest(self.key, self.prompt_ids + tuple(self.token_ids), params, self.prefer)
+        return SampleRequest(
+            self.key, self.prompt_ids + tuple(self.token_ids), params, self.prefer, self.rollout.stream_tokens
+        )
+
+    def delta(self, token_ids: Sequence[int], logprobs: Sequence[float], start: int) -> TokenDelta:
+        """Tokens of its current run from ``start`` (a position among all its tokens)."""
+        version = self.versions[-1][0]
+        return TokenDelta(
+            self.index, start, tuple(token_ids), tuple(logprobs), version, self.rollout.rollout_id
+        )
 
 
 @dataclass(frozen=True)
@@ -157,28 +199,44 @@ class ReplicaLoad:
     started: int
 
 
+class _Feed:
+    """One reader's queue of a rollout: what it has not taken yet, and how many results it took
+    (it ends after the rollout's last)."""
+
+    def __init__(self) -> None:
+        self.ready: deque[Any] = deque()
+        self.results_taken = 0
+
+
 class Rollout:
     """The samples of one submitted batch. Iterate it (``for r in rollout``, or ``async for``)
     to get each ``SampleResult`` once, in the order they finish; ``wait()`` or ``output()`` for
-    all of them. An engine failure is raised from the iteration once the results before it are
-    taken."""
+    all of them; ``events()``, of a rollout submitted with ``stream_tokens=True``, for each
+    sample's tokens as they are made (``TokenDelta``) and then its result. An engine failure is
+    raised from the iteration once the results before it are taken."""
 
     _ids = itertools.count()
 
     def __init__(
-        self, streams: Streams, batch: BatchedDataDict[Any], pad_token_id: int, tag: Any = None
+        self,
+        streams: Streams,
+        batch: BatchedDataDict[Any],
+        pad_token_id: int,
+        tag: Any = None,
+        stream_tokens: bool = False,
     ) -> None:
         #: Unique among this process's rollouts; every result carries it, and ``tag``.
         self.rollout_id = next(self._ids)
         self.tag = tag
         self.size = int(batch.size)
+        self.stream_tokens = stream_tokens
         self._streams = streams
         self._batch = batch
         self._pad = pad_token_id
         self._cond = threading.Condition()
-        self._ready: deque[SampleResult] = deque()
+        self._results_feed = _Feed()
+        self._events_feed = _Feed() if stream_tokens else None
         self._results: dict[int, SampleResult] = {}
-        self._taken = 0
         self._error: BaseException | None = None
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
@@ -186,7 +244,16 @@ class Rollout:
     def _put(self, result: SampleResult) -> None:
         with self._cond:
             self._results[result.index] = result
-            self._ready.append(result)
+            self._results_feed.ready.append(result)
+            if self._events_feed is not None:
+                self._events_feed.ready.append(result)
+            self._wake()
+
+    def _put_delta(self, delta: TokenDelta) -> None:
+        if self._events_feed is None:
+            return
+        with self._cond:
+            self._events_feed.ready.append(delta)
             self._wake()
 
     def _fail(self, error: BaseException) -> None:
@@ -236,39 +303,47 @@ class Rollout:
             raise InputError(f"cancel: sample indices {bad} are not in this rollout of {self.size}", bad)
         self._streams.cancel(self, list(wanted))
 
-    def _next(self, block: bool) -> SampleResult | None:
-        """The next result; None at the end, or (``block`` False) when none is ready."""
+    def _next(self, feed: _Feed, block: bool) -> Any:
+        """The next item of ``feed``; None at the end, or (``block`` False) when none is ready
+        (under the lock, or taking it)."""
         with self._cond:
             while True:
-                if self._ready:
-                    self._taken += 1
-                    return self._ready.popleft()
+                if feed.ready:
+                    item = feed.ready.popleft()
+                    if isinstance(item, SampleResult):
+                        feed.results_taken += 1
+                    return item
                 if self._error is not None:
                     raise self._error
-                if self._taken == self.size or not block:
+                if feed.results_taken == self.size or not block:
                     return None
                 self._cond.wait()
 
-    def __iter__(self) -> Iterator[SampleResult]:
-        while (result := self._next(block=True)) is not None:
-            yield result
+    def _iterate(self, feed: _Feed) -> Iterator[Any]:
+        while (item := self._next(feed, block=True)) is not None:
+            yield item
 
-    def __aiter__(self) -> AsyncIterator[SampleResult]:
-        return self._aiter()
+    async def _aiterate(self, feed: _Feed) -> AsyncIterator[Any]:
+        async for batch in self._abatches(feed):
+            for item in batch:
+                yield item
 
-    async def _aiter(self) -> AsyncIterator[SampleResult]:
+    async def _abatches(self, feed: _Feed) -> AsyncIterator[list[Any]]:
+        """Every item of ``feed`` ready at once, as one list, waiting for the next otherwise."""
         loop = asyncio.get_running_loop()
         while True:
             with self._cond:
-                result = self._next(block=False)
-                if result is None and self._taken == self.size:
+                batch = []
+                while feed.ready:  # the error, if any, once these are taken
+                    batch.append(self._next(feed, block=False))
+                if not batch and self._next(feed, block=False) is None and feed.results_taken == self.size:
                     return
                 future: asyncio.Future[None] | None = None
-                if result is None:
+                if not batch:
                     future = loop.create_future()
                     self._waiters.append((loop, future))
-            if result is not None:
-                yield result
+            if batch:
+                yield batch
             elif future is not None:
                 try:
                     await future
@@ -276,6 +351,21 @@ class Rollout:
                     with self._cond:
                         if (loop, future) in self._waiters:
                             self._waiters.remove((loop, future))
+
+    def __iter__(self) -> Iterator[SampleResult]:
+        return self._iterate(self._results_feed)
+
+    def __aiter__(self) -> AsyncIterator[SampleResult]:
+        return self._aiterate(self._results_feed)
+
+    def events(self) -> Events:
+        """Each sample's new tokens as the engine makes them (``TokenDelta``), then its
+        ``SampleResult``, from threads (``for``) or asyncio (``async for``); a reader of its own,
+        beside the results' iteration. InputError unless submitted with ``stream_tokens=True``.
+        A backend that reports no tokens before a sample's end gives one delta then."""
+        if self._events_feed is None:
+            raise InputError("Rollout.events() needs a rollout submitted with stream_tokens=True")
+        return Events(self, self._events_feed)
 
     def groups(self, k: int) -> Groups:
         """The results in groups of ``k`` consecutive rows (rows ``g*k`` to ``g*k + k - 1``: the
@@ -309,6 +399,23 @@ class Rollout:
         out["stop_reasons"] = [r.stop_reason for r in results]
         out["weight_versions"] = [r.versions for r in results]
         return out
+
+
+class Events:
+    """``Rollout.events()``: ``TokenDelta`` and ``SampleResult`` items, in the order made."""
+
+    def __init__(self, rollout: Rollout, feed: _Feed) -> None:
+        self._rollout, self._feed = rollout, feed
+
+    def __iter__(self) -> Iterator[TokenDelta | SampleResult]:
+        return self._rollout._iterate(self._feed)
+
+    def __aiter__(self) -> AsyncIterator[TokenDelta | SampleResult]:
+        return self._rollout._aiterate(self._feed)
+
+    def batches(self) -> AsyncIterator[list[TokenDelta | SampleResult]]:
+        """From asyncio: every item ready at once, as one list (a server writes them together)."""
+        return self._rollout._abatches(self._feed)
 
 
 class Groups:
@@ -424,6 +531,7 @@ class Streams:
             if not s.versions or s.versions[-1][0] != self.version:
                 s.versions.append((self.version, len(s.token_ids)))
             s.started = time.monotonic()
+            s.progress = []
             self._running[s.key] = s
         try:
             self._start([s.request() for s in samples])
@@ -445,6 +553,26 @@ class Streams:
                 s.ending = "cancelled"
         if running:
             self._abort([s.key for s in running])
+
+    def progress(self, reports: Iterable[SampleProgress]) -> None:
+        """A backend's report of tokens that running samples made (keys they were started
+        with); reports of samples no longer running are dropped (they ended meanwhile)."""
+        with self._cond:
+            for report in reports:
+                sample = self._running.get(report.key)
+                if sample is None or not report.token_ids:
+                    continue
+                if len(report.token_ids) != len(report.logprobs):
+                    logger.error(
+                        "sample %s: a progress report of %d tokens and %d logprobs is dropped",
+                        report.key,
+                        len(report.token_ids),
+                        len(report.logprobs),
+                    )
+                    continue
+                start = len(sample.token_ids) + len(sample.progress)
+                sample.progress.extend(report.token_ids)
+                sample.rollout._put_delta(sample.delta(report.token_ids, report.logprobs, start))
 
     def deliver(self, finished: Iterable[FinishedSample]) -> None:
         """A backend's report of samples that ended (keys it was started with)."""
@@ -469,6 +597,13 @@ class Streams:
             )
         if not all(map(math.isfinite, f.logprobs)):
             self._nonfinite()
+        shown = len(sample.progress)
+        if f.error is None and tuple(f.token_ids[:shown]) != tuple(sample.progress):
+            raise OutputError(
+                f"sample {sample.index}: the engine's report of its end does not start with the "
+                f"{shown} tokens it reported while it ran"
+            )
+        rest = sample.delta(f.token_ids[shown:], f.logprobs[shown:], len(sample.token_ids) + shown)
         sample.restarts += f.restarts
         sample.token_ids.extend(f.token_ids)
         sample.logprobs.extend(f.logprobs)
@@ -483,18 +618,26 @@ class Streams:
             sample.rollout._fail(RollgenError(f"sample {sample.index} failed in the engine: {f.error}"))
         elif not f.aborted or sample.ending is None or (complete and sample.ending == "continue"):
             end = len(sample.prompt_ids) + len(tokens)
-            self._finish(sample, self._stop_reason(params, end, tokens))
-        elif sample.ending == "continue" or (sample.ending == "aborted" and self._updating and not f.started):
-            # an update's abort ends the samples that run; one that never started starts after it
+            self._finish(sample, self._stop_reason(params, end, tokens), rest)
+        elif sample.ending == "continue" or (
+            sample.ending == "aborted" and self._updating and not (f.started and tokens)
+        ):
+            # an update's abort ends the samples that made tokens; one with none yet loses
+            # nothing by starting again after it, on the new weights
+            if rest.token_ids:
+                sample.rollout._put_delta(rest)
             sample.attempt += 1
             self._held.append(sample)
         else:
-            self._finish(sample, sample.ending)
+            self._finish(sample, sample.ending, rest)
 
-    def _finish(self, sample: _Sample, reason: str) -> None:
+    def _finish(self, sample: _Sample, reason: str, rest: TokenDelta | None = None) -> None:
+        """``sample``'s result, after ``rest`` (its last tokens, not shown yet) if any."""
         # a sample that never started is stamped with the version it would have run under
         versions = tuple(sample.versions) or ((self.version, 0),)
         rollout = sample.rollout
+        if rest is not None and rest.token_ids:
+            rollout._put_delta(dataclasses.replace(rest, final=True))
         rollout._put(
             SampleResult(
                 sample.index,

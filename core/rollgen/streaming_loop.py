@@ -1,7 +1,8 @@
 """``StepLoop``: the decoding thread of an engine that is stepped, shared by hf and the Ray
 workers. It admits the samples handed to it, ends those asked to end, steps the engine while any
-runs and reports each sample once it ends; a failure ends every sample it started, with the
-error, so none is left unreported."""
+runs, reports the new tokens of samples that stream theirs after each step, and reports each
+sample once it ends; a failure ends every sample it started, with the error, so none is left
+unreported."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from rollgen.rollout import FinishedSample, SampleRequest
+from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,8 @@ class StepLoop:
         deliver: takes the samples that ended in a round (``FinishedSample``; aborted ones carry
             the tokens they have).
         name: names the thread and the log lines.
+        progress: takes the new tokens of the samples started with ``stream_tokens`` that a
+            round moved and did not end (``SampleProgress``), before that round's ends.
 
     Aborts come before the step in each round: a sample that ended on its own is reported as it
     is, even if an abort came too late to stop it."""
@@ -40,8 +43,10 @@ class StepLoop:
         abort: Callable[[list[str]], None],
         deliver: Callable[[list[FinishedSample]], None],
         name: str,
+        progress: Callable[[list[SampleProgress]], None] = lambda reports: None,
     ) -> None:
         self._add, self._step, self._abort, self._deliver, self.name = add, step, abort, deliver, name
+        self._progress = progress
         self._inbox = threading.Condition()
         self._to_start: list[list[SampleRequest]] = []
         self._to_abort: set[str] = set()
@@ -73,6 +78,7 @@ class StepLoop:
 
     def _run(self) -> None:
         running: dict[str, tuple[list[int], list[float]]] = {}
+        streaming: set[str] = set()
         while True:
             with self._inbox:
                 if not running:
@@ -82,10 +88,12 @@ class StepLoop:
                 starts, self._to_start = self._to_start, []
                 aborts, self._to_abort = self._to_abort, set()
             ended: list[FinishedSample] = []
+            moved: list[SampleProgress] = []
             try:
                 for requests in starts:
                     self._add(requests)
                     running.update({r.key: ([], []) for r in requests})
+                    streaming.update(r.key for r in requests if r.stream_tokens)
                 hit = [k for k in aborts if k in running]
                 if hit:
                     self._abort(hit)
@@ -96,6 +104,8 @@ class StepLoop:
                         running[key][1].extend(logprobs)
                         if finished:
                             ended.append(FinishedSample(key, *_tuples(running.pop(key))))
+                        elif tokens and key in streaming:
+                            moved.append(SampleProgress(key, tuple(tokens), tuple(logprobs)))
             except Exception as exc:  # noqa: BLE001 - reported with every sample it ends
                 logger.exception("%s: decoding streamed samples failed", self.name)
                 error = f"{type(exc).__name__}: {exc}"
@@ -111,6 +121,9 @@ class StepLoop:
                     self._abort(list(lost))
                 except Exception:  # noqa: BLE001 - the error above is the one reported
                     logger.debug("%s: could not abort the failed samples", self.name)
+            streaming.difference_update(f.key for f in ended)
+            if moved:
+                self._progress(moved)
             if ended:
                 self._deliver(ended)
 

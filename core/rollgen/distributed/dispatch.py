@@ -2,8 +2,10 @@
 goes to the replica its request prefers (``SampleRequest.replica``: one that holds its prefix)
 while that one has room, else to the engine with the most free room (``EngineWorker._capacity``
 each); samples wait on the driver when every engine is full, and go out as engines free up; a
-thread polls the engines that have samples and hands what ended to the core (each stamped with
-the replica it ran on), and an engine's failure to the generation."""
+thread polls the engines that have samples and hands the new tokens of samples that stream them
+and what ended to the core (each stamped with the replica it ran on), and an engine's failure to
+the generation. A sample restarted after its engine died continues from the tokens already
+handed on (those of a sample that streams them), so nothing handed on is taken back."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import ray
 
 from rollgen.distributed.worker_groups import RayWorkerGroup
 from rollgen.errors import RollgenError, WorkerError
-from rollgen.rollout import FinishedSample, ReplicaLoad, SampleRequest
+from rollgen.rollout import FinishedSample, ReplicaLoad, SampleProgress, SampleRequest
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +41,20 @@ class SampleDispatcher:
         deliver: Callable[[list[FinishedSample]], None],
         failed: Callable[[WorkerError], None],
         died: Callable[[int, WorkerError], bool] = lambda engine, error: False,
+        progress: Callable[[list[SampleProgress]], None] = lambda reports: None,
     ) -> None:
         self.group, self.capacity, self.deliver, self.failed = group, list(capacity), deliver, failed
         #: Told of an engine's death first; True: its samples are re-run elsewhere (it called
         #: ``take_out``), and ``failed`` is not told.
         self.died = died
+        self.progress = progress
         #: The samples on engines, and how often each was restarted after its engine died.
         self._requests: dict[str, SampleRequest] = {}
         self._restarts: dict[str, int] = defaultdict(int)
+        #: Of samples that stream their tokens: the tokens handed on, and how many of them runs
+        #: before the current one made (the current run's prompt ends with those).
+        self._made: dict[str, tuple[list[int], list[float]]] = {}
+        self._carried: dict[str, int] = {}
         self._lock = threading.Condition()
         self._queue: deque[SampleRequest] = deque()
         self._where: dict[str, int] = {}
@@ -72,15 +80,14 @@ class SampleDispatcher:
         with self._lock:
             waiting = [r for r in self._queue if r.key in wanted]
             self._queue = deque(r for r in self._queue if r.key not in wanted)
-            for r in waiting:
-                self._restarts.pop(r.key, None)
+            gone = [self._end_of(FinishedSample(r.key, (), (), aborted=True, started=False)) for r in waiting]
             for key in wanted:
                 if key in self._where:
                     by_engine[self._where[key]].append(key)
             for i, engine_keys in by_engine.items():
                 self._calls[self.group.workers[i].abort_samples.remote(engine_keys)] = i
-        if waiting:
-            self.deliver([FinishedSample(r.key, (), (), aborted=True, started=False) for r in waiting])
+        if gone:
+            self.deliver(gone)
 
     def load(self) -> list[ReplicaLoad]:
         """Each engine's samples now, in one consistent snapshot."""
@@ -151,17 +158,46 @@ class SampleDispatcher:
             if engine is None:  # a call to an engine since replaced (``reopen``)
                 return
         name = self.group.names[engine]
+        ended: list[FinishedSample] = []
         try:
-            result = self.group.get([ref], names=[name])[0]
-            ended: list[FinishedSample] = (
-                [dataclasses.replace(f, replica=engine) for f in result] if polled else []
-            )
+            if polled:
+                moved, ended = self.group.get([ref], names=[name])[0]
+                self._moved(engine, moved)
+            else:
+                self.group.get([ref], names=[name])
         except RollgenError as exc:  # a death the fleet takes re-runs its samples elsewhere
             if not (isinstance(exc, WorkerError) and exc.died and self.died(engine, exc)):
                 self._failed(engine, name, exc)
                 return
-            ended = []
-        self._ended(engine, ended)
+        self._ended(engine, [dataclasses.replace(f, replica=engine) for f in ended])
+
+    def _moved(self, engine: int, moved: list[SampleProgress]) -> None:
+        """Hand on the new tokens of streaming samples (kept, so that a restart continues them)."""
+        with self._lock:
+            moved = [m for m in moved if self._where.get(m.key) == engine]  # not of one taken out since
+            for m in moved:
+                tokens, logprobs = self._made.setdefault(m.key, ([], []))
+                tokens.extend(m.token_ids)
+                logprobs.extend(m.logprobs)
+        if moved:
+            self.progress(moved)
+
+    def _end_of(self, sample: FinishedSample) -> FinishedSample:
+        """``sample``'s report with the tokens of its earlier runs first, its restarts counted
+        (under the lock; forgets the sample)."""
+        self._requests.pop(sample.key, None)
+        restarts = self._restarts.pop(sample.key, 0)
+        made = self._made.pop(sample.key, None)
+        carried = self._carried.pop(sample.key, 0)
+        if made is not None and carried and sample.error is None:
+            tokens, logprobs = made[0][:carried], made[1][:carried]
+            sample = dataclasses.replace(
+                sample,
+                token_ids=(*tokens, *sample.token_ids),
+                logprobs=(*logprobs, *sample.logprobs),
+                started=True,
+            )
+        return dataclasses.replace(sample, restarts=restarts)
 
     def _failed(self, engine: int, name: str, exc: RollgenError) -> None:
         """Engine ``engine`` failed: so did every sample it has."""
@@ -180,10 +216,9 @@ class SampleDispatcher:
         """Report the samples ``ended`` of ``engine`` (each with its restarts) and send more."""
         with self._lock:
             for sample in ended:
-                self._requests.pop(sample.key, None)
                 if self._where.pop(sample.key, None) is not None:
                     self._load[engine] -= 1
-            ended = [dataclasses.replace(s, restarts=self._restarts.pop(s.key, 0)) for s in ended]
+            ended = [self._end_of(s) for s in ended]
             self._send()
         if ended:
             self.deliver(ended)
@@ -191,7 +226,8 @@ class SampleDispatcher:
     # ---- a replaced engine (rollgen.distributed.fleet) -------------------------------------------
     def take_out(self, engine: int) -> None:
         """Engine ``engine`` is out of service: its samples go back to the head of the queue
-        (from their start, with the same settings and seed), for the other engines."""
+        (from their start, with the same settings and seed; one that streams its tokens from
+        the last it handed on), for the other engines."""
         with self._lock:
             self.capacity[engine] = 0
             keys = [k for k, i in self._where.items() if i == engine]
@@ -199,13 +235,25 @@ class SampleDispatcher:
                 del self._where[key]
                 self._restarts[key] += 1
             self._load[engine] = 0
-            self._queue.extendleft(reversed([self._requests.pop(k) for k in keys]))
+            self._queue.extendleft(reversed([self._continued(self._requests.pop(k)) for k in keys]))
             if keys:
                 logger.warning(
                     "%s: %d streamed sample(s) restart on other engines", self.group.names[engine], len(keys)
                 )
             self._send()
             self._lock.notify_all()
+
+    def _continued(self, request: SampleRequest) -> SampleRequest:
+        """``request`` to run again after its engine died: its prompt extended by the tokens its
+        run handed on, its budget less them (under the lock)."""
+        made = self._made.get(request.key)
+        carried = self._carried.get(request.key, 0)
+        if made is None or len(made[0]) == carried:
+            return request
+        new = tuple(made[0][carried:])
+        self._carried[request.key] = len(made[0])
+        params = dataclasses.replace(request.params, max_new_tokens=request.params.max_new_tokens - len(new))
+        return dataclasses.replace(request, prompt_ids=request.prompt_ids + new, params=params)
 
     def reopen(self, engine: int, capacity: int) -> None:
         """Engine ``engine`` (a new actor) is in service again with ``capacity``; calls to the

@@ -180,6 +180,7 @@ class RayGeneration(BaseGeneration):
                 self._streams.deliver,
                 self._worker_failed,
                 lambda engine, error: self.fleet.died(engine, error),
+                self._streams.progress,
             )
             self.fleet = Fleet(self, self.plan.spec.engine)
             self.updates  # noqa: B018 - its link opens the engines' refit channels now

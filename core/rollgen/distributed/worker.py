@@ -24,7 +24,7 @@ from rollgen.output import assemble_from_lists
 from rollgen.processes import descendants, running
 from rollgen.refit import WeightBucket, WeightSpec, release_staged
 from rollgen.refit.weight_sync import SyncGroupSpec
-from rollgen.rollout import FinishedSample, SampleRequest
+from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.streaming_loop import StepLoop, StepOutput
 
@@ -115,11 +115,18 @@ class EngineWorker(ABC):
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self._stopped = False
-        #: The samples that ended and were not polled yet (``poll`` waits on it).
+        #: The samples that ended, and the new tokens of those that stream them, not polled yet
+        #: (``poll`` waits on it).
         self._mailbox = threading.Condition()
         self._ended: list[FinishedSample] = []
+        self._moved: dict[str, tuple[list[int], list[float]]] = {}
         self._streaming = StepLoop(
-            self._add_samples, self._step, self._abort_samples, self._report, f"engine {spec.index}"
+            self._add_samples,
+            self._step,
+            self._abort_samples,
+            self._report,
+            f"engine {spec.index}",
+            self._report_progress,
         )
         self._start()
         watched = {
@@ -226,16 +233,27 @@ class EngineWorker(ABC):
         self._streaming.abort(keys)
 
     @ray.method(concurrency_group="results")  # type: ignore[untyped-decorator]
-    def poll(self, timeout_s: float) -> list[FinishedSample]:
-        """The samples that ended since the last poll (waits up to ``timeout_s`` for one)."""
+    def poll(self, timeout_s: float) -> tuple[list[SampleProgress], list[FinishedSample]]:
+        """The new tokens of streaming samples (one report per sample: all it made since the
+        last poll), then the samples that ended, since the last poll (waits up to ``timeout_s``
+        for either)."""
         with self._mailbox:
-            self._mailbox.wait_for(lambda: bool(self._ended), timeout_s)
+            self._mailbox.wait_for(lambda: bool(self._ended or self._moved), timeout_s)
             ended, self._ended = self._ended, []
-        return ended
+            moved, self._moved = self._moved, {}
+        return [SampleProgress(k, tuple(t), tuple(lp)) for k, (t, lp) in moved.items()], ended
 
     def _report(self, ended: list[FinishedSample]) -> None:
         with self._mailbox:
             self._ended += ended
+            self._mailbox.notify_all()
+
+    def _report_progress(self, moved: list[SampleProgress]) -> None:
+        with self._mailbox:
+            for report in moved:
+                tokens, logprobs = self._moved.setdefault(report.key, ([], []))
+                tokens.extend(report.token_ids)
+                logprobs.extend(report.logprobs)
             self._mailbox.notify_all()
 
     # ---- engine hooks -------------------------------------------------------------------------

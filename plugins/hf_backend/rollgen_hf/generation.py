@@ -56,7 +56,12 @@ class HfGeneration(BaseGeneration):
         # (``deliver`` looked up at each report: a subclass may wrap it)
         cohorts = Cohorts(self._cohort)
         self._decoding = StepLoop(
-            cohorts.add, cohorts.step, cohorts.abort, lambda ended: self._streams.deliver(ended), "rollgen-hf"
+            cohorts.add,
+            cohorts.step,
+            cohorts.abort,
+            lambda ended: self._streams.deliver(ended),
+            "rollgen-hf",
+            lambda moved: self._streams.progress(moved),
         )
 
     @property
