@@ -94,24 +94,116 @@ def test_seeded_choices_repeat_and_budget_holds(client: openai.OpenAI, server: A
     assert all(1 <= len(t) <= 5 for t in first)
 
 
-def test_streamed_chat_matches_the_unstreamed(client: openai.OpenAI, server: Any) -> None:
+def joined(chunks: list[Any]) -> dict[str, Any]:
+    """The streamed choice 0's chunks put together: its text, rollgen fields and finish."""
+    mine = [c.choices[0] for c in chunks if c.choices]
+    fields = [ext(c) for c in mine]
+    spans: list[dict[str, int]] = []
+    for f in fields:
+        for span in f["versions"]:
+            if spans and spans[-1]["version"] == span["version"] and spans[-1]["end"] == span["start"]:
+                spans[-1]["end"] = span["end"]
+            else:
+                spans.append(dict(span))
+    text = "".join((c.delta.content or "") if hasattr(c, "delta") else c.text for c in mine)
+    return {
+        "text": text,
+        "token_ids": [t for f in fields for t in f["token_ids"]],
+        "logprobs": [lp for f in fields for lp in f["logprobs"]],
+        "versions": spans,
+        "prompt_token_ids": fields[0]["prompt_token_ids"],
+        "stop_reason": fields[-1]["stop_reason"],
+        "finish_reason": [c.finish_reason for c in mine if c.finish_reason],
+        "token_chunks": sum(1 for f in fields if f["token_ids"]),
+    }
+
+
+def test_streamed_chat_sends_tokens_as_they_are_made(client: openai.OpenAI, server: Any) -> None:
+    """``stream=True``: the tokens come in several chunks as the engine makes them, each with
+    its ids, logprobs and version span; put together they are the whole answer's."""
     messages: Any = [{"role": "user", "content": PROMPT}]
-    whole = client.chat.completions.create(model=server.model_id, messages=messages, temperature=0)
+    ask: Any = {
+        "model": server.model_id,
+        "messages": messages,
+        "temperature": 2.0,
+        "seed": 2,  # six tokens, one of them half a character (held until it is whole)
+        "max_tokens": 6,
+    }
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    got, want = joined(chunks), ext(whole.choices[0])
+    assert got["text"] == whole.choices[0].message.content
+    assert got["finish_reason"] == [whole.choices[0].finish_reason]
+    for key in ("token_ids", "versions", "prompt_token_ids", "stop_reason"):
+        assert got[key] == want[key], key
+    assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)
+    assert len(want["token_ids"]) > 1 and got["token_chunks"] > 1, "tokens come as they are made"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == whole.usage.total_tokens  # type: ignore[union-attr]
+
+
+def test_streamed_completion_holds_back_what_may_begin_a_stop_string(
+    client: openai.OpenAI, server: Any
+) -> None:
+    """A streamed completion with a stop string: the text never shows the stop string, even in
+    part, and ends as the whole answer's does."""
+    plain = client.completions.create(model=server.model_id, prompt=PROMPT, temperature=0, max_tokens=8)
+    stop = plain.choices[0].text.strip()[-2:]
+    whole = client.completions.create(
+        model=server.model_id, prompt=PROMPT, temperature=0, max_tokens=8, stop=[stop], logprobs=0
+    )
+    chunks = list(
+        client.completions.create(
+            model=server.model_id,
+            prompt=PROMPT,
+            temperature=0,
+            max_tokens=8,
+            stop=[stop],
+            logprobs=0,
+            stream=True,
+        )
+    )
+    got = joined(chunks)
+    assert got["text"] == whole.choices[0].text and stop not in got["text"]
+    assert got["token_ids"] == ext(whole.choices[0])["token_ids"] and got["stop_reason"] == "stop_string"
+    shown = ""
+    for c in chunks:
+        shown += c.choices[0].text
+        assert stop[0] not in shown[len(whole.choices[0].text) :], "part of the stop string was sent"
+    streamed_lps = [
+        lp for c in chunks if c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed_lps == pytest.approx(got["logprobs"])
+
+
+def test_a_streamed_session_turn_is_recorded_as_a_whole_one(client: openai.OpenAI, server: Any) -> None:
+    messages: list[Any] = [{"role": "user", "content": "abc: a b"}]
     chunks = list(
         client.chat.completions.create(
             model=server.model_id,
             messages=messages,
+            max_tokens=5,
             temperature=0,
             stream=True,
-            stream_options={"include_usage": True},
+            extra_body={"session_id": "streamed"},
         )
     )
-    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert content == whole.choices[0].message.content
-    finished = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert [c.choices[0].finish_reason for c in finished] == [whole.choices[0].finish_reason]
-    assert ext(finished[0].choices[0])["token_ids"] == ext(whole.choices[0])["token_ids"]
-    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == whole.usage.total_tokens  # type: ignore[union-attr]
+    got = joined(chunks)
+    session = client.get("/sessions/streamed", cast_to=httpx.Response).json()
+    assert session["token_ids"] == got["prompt_token_ids"] + got["token_ids"]
+    assert session["versions"] == [
+        {
+            **s,
+            "start": s["start"] + len(got["prompt_token_ids"]),
+            "end": s["end"] + len(got["prompt_token_ids"]),
+        }
+        for s in got["versions"]
+    ]
+    messages += [{"role": "assistant", "content": got["text"]}, {"role": "user", "content": "count: 1"}]
+    after = client.chat.completions.create(
+        model=server.model_id, messages=messages, max_tokens=2, extra_body={"session_id": "streamed"}
+    )
+    assert ext(after.choices[0])["prompt_token_ids"][: len(session["token_ids"])] == session["token_ids"]
 
 
 def test_async_client_runs_requests_at_once(server: Any) -> None:

@@ -40,14 +40,19 @@ def _not_zero(value: int) -> int:
     return value
 
 
+#: The largest counts and ids an engine takes (engines hold them in 32-bit integers), and the
+#: largest float32: every value below fits the tensors and engines it goes to.
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
 #: The bounds of every sampling setting, shared by the config and the batch's per-sample values.
-Temperature = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+Temperature = Annotated[float, Field(ge=0.0, le=FLOAT32_MAX, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 #: -1 is off (the whole vocabulary), else at least 1.
-TopK = Annotated[int, Field(ge=-1), AfterValidator(_not_zero)]
-MaxNewTokens = Annotated[int, Field(gt=0)]
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX), AfterValidator(_not_zero)]
+MaxNewTokens = Annotated[int, Field(gt=0, le=INT32_MAX)]
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 PositiveInt = Annotated[int, Field(gt=0)]
 
 

@@ -1,44 +1,60 @@
 """The FastAPI app: OpenAI's ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``
-(streamed as server-sent events or not), rollgen's sessions, cancel and status endpoints."""
+(whole, or streamed token by token as server-sent events), rollgen's sessions, cancel and status
+endpoints. Tokenizing, rendering and reading replies run on the served generation's text
+workers; the event loop only moves requests, tokens and bytes."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rollgen.errors import RollgenError
-from rollgen.rollout import SampleResult
+from rollgen.rollout import SampleResult, TokenDelta
 from rollgen.serving import errors, responses
 from rollgen.serving.errors import HttpError
-from rollgen.serving.schemas import CancelRequest, ChatCompletionRequest, CompletionRequest
+from rollgen.serving.guard import RequestGuard
+from rollgen.serving.schemas import (
+    SESSION_ID,
+    SESSION_ID_RULE,
+    CancelRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from rollgen.serving.sessions import Session
 from rollgen.serving.state import Request as OpenAIRequest
 from rollgen.serving.state import ServerState, Turn, collect
+from rollgen.serving.streaming import ChoiceStream
+
+logger = logging.getLogger(__name__)
+
+#: A choice's whole answer from its result and the prompt (run on a text worker).
+Choice = Callable[[SampleResult, list[int]], dict[str, Any]]
+#: Records a session's turn from its results (run on a text worker).
+Commit = Callable[[Session, list[SampleResult]], None]
 
 
 def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> FastAPI:
     """The app over ``state``; every ``/v1`` route needs ``Authorization: Bearer <api_key>``
-    unless ``api_key`` is None (auth turned off)."""
+    (checked before the body is read) unless ``api_key`` is None (auth turned off)."""
     app = FastAPI(title="rollgen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    errors.install(app, state.limits.retry_after_s)
-    app.add_middleware(BodyLimit, max_bytes=state.limits.max_body_bytes)
+    limits = state.limits
+    errors.install(app, limits.retry_after_s)
+    app.add_middleware(
+        RequestGuard,
+        api_key=api_key,
+        max_body_bytes=limits.max_body_bytes,
+        client_timeout_s=limits.client_timeout_s,
+        retry_after_s=limits.retry_after_s,
+    )
     served = state.served
-
-    async def authorised(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), api_key.encode()):
-            raise HttpError(401, "missing or wrong API key (Authorization: Bearer <key>)", "invalid_api_key")
 
     def check(req: OpenAIRequest) -> None:
         if req.model not in (served.model_id, served.gen.cfg["model_name"]):
@@ -51,13 +67,19 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
         if bad:
             raise HttpError(400, f"unsupported by rollgen serve: {', '.join(bad)}", "unsupported")
 
-    guarded = [Depends(authorised)]
+    def session_of(session_id: str) -> Session:
+        if not SESSION_ID.fullmatch(session_id):
+            raise HttpError(400, f"a session id holds {SESSION_ID_RULE}", "invalid_session_id")
+        try:
+            return state.sessions.get(session_id)
+        except KeyError:
+            raise HttpError(404, f"no session {session_id!r}", "session_not_found") from None
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "closing" if state.closing else "ok"}
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         gen = served.gen
         return {
@@ -77,7 +99,7 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
             ],
         }
 
-    @app.get("/v1/rollgen/status", dependencies=guarded)
+    @app.get("/v1/rollgen/status")
     async def status() -> dict[str, Any]:
         return {
             "weight_version": served.gen.weight_version,
@@ -89,7 +111,7 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
             "replicas": [dataclasses.asdict(r) for r in served.gen.replica_load()],
         }
 
-    @app.post("/v1/rollgen/cancel", dependencies=guarded)
+    @app.post("/v1/rollgen/cancel")
     async def cancel(req: CancelRequest) -> dict[str, Any]:
         rollout = state.requests.get(req.request_id)
         if rollout is None:
@@ -97,48 +119,38 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
         rollout.cancel()
         return {"request_id": req.request_id, "cancelled": True}
 
-    @app.get("/v1/sessions/{session_id}", dependencies=guarded)
+    @app.get("/v1/sessions/{session_id:path}")
     async def get_session(session_id: str) -> dict[str, Any]:
-        try:
-            return state.sessions.get(session_id).view()
-        except KeyError:
-            raise HttpError(404, f"no session {session_id!r}", "session_not_found") from None
+        return session_of(session_id).view()
 
-    @app.delete("/v1/sessions/{session_id}", dependencies=guarded)
+    @app.delete("/v1/sessions/{session_id:path}")
     async def delete_session(session_id: str) -> dict[str, Any]:
-        try:
-            session = state.sessions.get(session_id)
-        except KeyError:
-            raise HttpError(404, f"no session {session_id!r}", "session_not_found") from None
+        session = session_of(session_id)
         async with session.lock:  # a turn in flight ends first
             state.sessions.pop(session_id)
             return session.view() | {"deleted": True}
 
-    @app.post("/v1/completions", dependencies=guarded, response_model=None)
+    @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
         check(req)
-        ids = prompt_ids(req, served.encode)
         stops = req.stop_strings()
+        logprobs = req.logprobs is not None
+        new_ids: list[int] = []
+
+        def prompt(session: Session | None) -> list[int]:
+            new_ids.extend(prompt_ids(req, served.encode))
+            return (session.token_ids if session else []) + new_ids
 
         def choice(result: SampleResult, prompt: list[int]) -> dict[str, Any]:
-            return responses.completion_choice(served, prompt, result, stops, req.logprobs is not None)
+            return responses.completion_choice(served, prompt, result, stops, logprobs)
 
-        async def commit(turn: Turn, results: list[SampleResult]) -> None:
-            if turn.session is not None:
-                turn.session.add_environment(ids)
-                turn.session.add_generated(results[0])
+        def commit(session: Session, results: list[SampleResult]) -> None:
+            session.add_environment(new_ids)
+            session.add_generated(results[0])
 
-        return await run(
-            request,
-            req,
-            "completion",
-            "text_completion",
-            lambda s: (s.token_ids if s else []) + ids,
-            choice,
-            commit,
-        )
+        return await run(request, req, "completion", prompt, choice, commit, logprobs, parsed=False)
 
-    @app.post("/v1/chat/completions", dependencies=guarded, response_model=None)
+    @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
         check(req)
         messages = [m.for_template() for m in req.messages]
@@ -151,7 +163,7 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
 
         turn_text: dict[str, Any] = {}
 
-        def prompt(session: Any) -> list[int]:
+        def prompt(session: Session | None) -> list[int]:
             if session is None:
                 return served.encode(render(messages, True))
             new_text, full, new = session.chat_prompt(messages, render)
@@ -162,14 +174,12 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
         def choice(result: SampleResult, prompt_ids: list[int]) -> dict[str, Any]:
             return responses.chat_choice(served, prompt_ids, result, stops, req.logprobs, parser)
 
-        async def commit(turn: Turn, results: list[SampleResult]) -> None:
-            if turn.session is None:
-                return
+        def commit(session: Session, results: list[SampleResult]) -> None:
             result = results[0]
             ended = ""
             if result.token_ids and result.stop_reason in ("eos", "stop_token"):
                 ended = served.token_text(result.token_ids[-1])
-            turn.session.commit_chat(
+            session.commit_chat(
                 turn_text["new"],
                 turn_text["ids"],
                 turn_text["full"],
@@ -179,40 +189,44 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
                 render,
             )
 
-        return await run(request, req, "chat", "chat.completion", prompt, choice, commit, chunks=True)
+        return await run(
+            request, req, "chat", prompt, choice, commit, req.logprobs, parsed=parser is not None
+        )
 
     async def run(
         request: Request,
         req: OpenAIRequest,
         kind: str,
-        obj: str,
-        prompt: Callable[[Any], list[int]],
-        choice: Callable[[SampleResult, list[int]], dict[str, Any]],
-        commit: Callable[[Turn, list[SampleResult]], Awaitable[None]],
-        chunks: bool = False,
+        prompt: Callable[[Session | None], list[int]],
+        choice: Choice,
+        commit: Commit,
+        logprobs: bool,
+        parsed: bool,
     ) -> JSONResponse | StreamingResponse:
-        """One request's turn: its session taken, its prompt made and submitted; then every
-        choice at once, or each as it finishes (``stream``). A client that leaves before its
-        answer has its samples cancelled."""
+        """One request's turn: its session taken, its prompt made (on a text worker) and
+        submitted; then every choice at once, or its tokens as they come (``stream``). A client
+        that leaves before its answer has its samples cancelled. ``logprobs``: OpenAI's field
+        asked for; ``parsed``: a tool parser reads the replies (streamed text waits for it)."""
         turn = Turn(state, req)
         rid = responses.new_id("cmpl" if kind == "completion" else "chatcmpl")
         try:
             session = await turn.open(kind)
-            await turn.start(prompt(session))
+            await turn.start(await served.off_loop(prompt, session))
         except BaseException:
             turn.close()
             raise
         if req.stream:
+            # text that may begin a stop string waits until the choice ends
+            hold = None if parsed else max([0, *(len(s) - 1 for s in req.stop_strings())])
             return StreamingResponse(
-                stream(turn, req, rid, obj + (".chunk" if chunks else ""), choice, commit, chunks),
-                media_type="text/event-stream",
+                stream(turn, req, rid, kind, choice, commit, logprobs, hold), media_type="text/event-stream"
             )
         try:
             results = await unless_disconnected(request, collect(turn))
             if results is None:
                 return JSONResponse({}, status_code=CLIENT_CLOSED)
-            await commit(turn, results)
-            made = [choice(r, turn.prompt) for r in results]
+            made = await served.off_loop(finish, turn, results, choice, commit)
+            obj = "text_completion" if kind == "completion" else "chat.completion"
             return JSONResponse(responses.body(obj, rid, served.model_id, made, len(turn.prompt)))
         finally:
             turn.close()
@@ -221,33 +235,64 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
         turn: Turn,
         req: OpenAIRequest,
         rid: str,
-        obj: str,
-        choice: Callable[[SampleResult, list[int]], dict[str, Any]],
-        commit: Callable[[Turn, list[SampleResult]], Awaitable[None]],
-        chunks: bool,
+        kind: str,
+        choice: Choice,
+        commit: Commit,
+        logprobs: bool,
+        hold: int | None,
     ) -> AsyncIterator[str]:
-        """Server-sent events: a chunk per choice as it finishes (rollgen streams whole samples),
-        usage last if ``stream_options.include_usage``, then ``[DONE]``."""
+        """Server-sent events: each choice's tokens as the engine makes them (the events ready
+        at once in one write), its last chunk when it ends, usage last if
+        ``stream_options.include_usage``, then ``[DONE]``."""
+        chat = kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        choices = [
+            ChoiceStream(
+                i,
+                turn.prompt,
+                served.decode,
+                hold,
+                chat,
+                logprobs,
+                served.token_text,
+                served.logprobs_mode,
+            )
+            for i in range(req.n)
+        ]
         results: list[SampleResult] = []
-        made: list[dict[str, Any]] = []
+        generated = 0
         try:
-            async for result in turn.results():
-                results.append(result)
-                made.append(choice(result, turn.prompt))
-                shown = responses.chat_chunk(made[-1]) if chunks else made[-1]
-                yield event(responses.body(obj, rid, served.model_id, [shown], None))
-            await commit(turn, sorted(results, key=lambda r: r.index))
+            async for batch in turn.events():
+                shown = []
+                for event in batch:
+                    if isinstance(event, TokenDelta):
+                        generated += len(event.token_ids)
+                        shown.append(choices[event.index].delta(event))
+                    else:
+                        results.append(event)
+                        final = await served.off_loop(choice, event, turn.prompt)
+                        shown.append(choices[event.index].end(event, final))
+                yield "".join(sse(responses.body(obj, rid, served.model_id, [c], None)) for c in shown)
+            if turn.session is not None:
+                await served.off_loop(commit, turn.session, sorted(results, key=lambda r: r.index))
             if (req.stream_options or {}).get("include_usage"):
                 end = responses.body(obj, rid, served.model_id, [], None)
-                end["usage"] = responses.usage(len(turn.prompt), made)
-                yield event(end)
+                end["usage"] = responses.usage_counts(len(turn.prompt), generated)
+                yield sse(end)
         except RollgenError as exc:
-            yield event(errors.error_body(errors.status_of(exc)))
+            yield sse(errors.error_body(errors.status_of(exc)))
         finally:
             turn.close()
         yield "data: [DONE]\n\n"
 
     return app
+
+
+def finish(turn: Turn, results: list[SampleResult], choice: Choice, commit: Commit) -> list[dict[str, Any]]:
+    """A whole answer's choices, its session's turn recorded first (on a text worker)."""
+    if turn.session is not None:
+        commit(turn.session, results)
+    return [choice(r, turn.prompt) for r in results]
 
 
 def prompt_ids(req: CompletionRequest, encode: Callable[[str], list[int]]) -> list[int]:
@@ -287,39 +332,6 @@ async def disconnected(request: Request) -> None:
         continue
 
 
-def event(data: dict[str, Any]) -> str:
+def sse(data: dict[str, Any]) -> str:
+    """One server-sent event."""
     return f"data: {json.dumps(data)}\n\n"
-
-
-class BodyLimit:
-    """Refuses (413) a request body over ``max_bytes``, by its Content-Length or as it arrives."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, receive, send)
-            return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise HttpError(413, self._message(), "request_too_large")
-            return message
-
-        await self.app(scope, counted, send)
-
-    def _message(self) -> str:
-        return f"the request body is over the server's limit of {self.max_bytes} bytes (max_body_bytes)"
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        answer = errors.response(HttpError(413, self._message(), "request_too_large"), 0)
-        await answer(scope, receive, send)

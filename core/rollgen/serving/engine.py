@@ -1,6 +1,8 @@
 """The served generation: requests → ``submit`` batches, the model's tokenizer and chat template.
 Every request is a streamed rollout, so a refit the trainer makes while serving treats requests
-in flight as its ``mode`` says (``wait``, ``abort``, ``keep``)."""
+in flight as its ``mode`` says (``wait``, ``abort``, ``keep``). Work that grows with what a
+client sends or a model writes (tokenizing, rendering, parsing) runs on worker threads
+(``off_loop``), never on the event loop."""
 
 from __future__ import annotations
 
@@ -8,12 +10,13 @@ import asyncio
 import functools
 import logging
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
-from rollgen.errors import EngineAsleep, StaleWeights, UnsupportedCapability
+from rollgen.errors import EngineAsleep, InputError, StaleWeights, UnsupportedCapability
 from rollgen.interface import GenerationInterface
 from rollgen.rollout import Rollout
 from rollgen.serving.errors import HttpError
@@ -21,13 +24,16 @@ from rollgen.serving.schemas import ChatCompletionRequest, CompletionRequest
 from rollgen.spec import Capability
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class ServedGeneration:
     """A generation as the server uses it. Raises UnsupportedCapability unless the backend
     declares ``async`` (the server streams every request)."""
 
-    def __init__(self, gen: GenerationInterface, model_id: str, submit_timeout_s: float) -> None:
+    def __init__(
+        self, gen: GenerationInterface, model_id: str, submit_timeout_s: float, text_workers: int = 4
+    ) -> None:
         if Capability.ASYNC not in gen.capabilities:
             raise UnsupportedCapability(gen.name, Capability.ASYNC.value, "serving (rollgen serve)")
         self.gen = gen
@@ -43,6 +49,12 @@ class ServedGeneration:
         self.waiting = 0
         self._ready: asyncio.Future[bool] | None = None
         self._closing = False
+        self._text = ThreadPoolExecutor(text_workers, thread_name_prefix="rollgen-serve-text")
+
+    async def off_loop(self, work: Callable[..., _T], *args: Any) -> _T:
+        """``work(*args)`` on one of the text workers (tokenizing, rendering, parsing: work
+        that grows with a request or a reply stays off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._text, functools.partial(work, *args))
 
     @property
     def chat_template(self) -> str | None:
@@ -54,14 +66,20 @@ class ServedGeneration:
         return str(self.gen.cfg.get("logprobs_mode", "raw"))
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool, tools: Any = None) -> str:
-        """The chat template's text for ``messages`` (``tools`` handed to the template)."""
-        from rollgen.errors import InputError
+        """The chat template's text for ``messages`` (``tools`` handed to the template);
+        InputError for messages or tools the template cannot render."""
+        from jinja2 import TemplateError
 
         if self.chat_template is None:
             raise InputError(f"model {self.model_id!r} has no chat template; use /v1/completions")
-        text = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+            )
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise InputError(
+                f"the chat template cannot render these messages or tools ({type(exc).__name__}: {exc})"
+            ) from None
         return str(text)
 
     def encode(self, text: str) -> list[int]:
@@ -96,16 +114,20 @@ class ServedGeneration:
             batch["stop_strings"] = [req.stop_strings()] * n
         return batch
 
-    async def submit(self, batch: dict[str, Any], replica: int | None = None) -> Rollout:
+    async def submit(
+        self, batch: dict[str, Any], replica: int | None = None, stream_tokens: bool = False
+    ) -> Rollout:
         """``gen.submit(batch)`` off the event loop. It waits while the trainer holds the
         generation (a refit, a wake), has put it to sleep (``finish_generation``) or left its
         weights stale (a refit failed part-way), up to ``submit_timeout_s`` in all, then a 503
         with ``Retry-After`` (a rollout that starts after that is cancelled at once).
-        ``replica``: the one to prefer (a session's last), as ``gen.submit`` takes it."""
+        ``replica``: the one to prefer (a session's last), as ``gen.submit`` takes it;
+        ``stream_tokens``: the rollout reports tokens as they are made."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.submit_timeout_s
+        submit = functools.partial(self.gen.submit, batch, replica=replica, stream_tokens=stream_tokens)
         while True:
-            started = loop.run_in_executor(None, functools.partial(self.gen.submit, batch, replica=replica))
+            started = loop.run_in_executor(None, submit)
             try:
                 return await asyncio.wait_for(asyncio.shield(started), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
@@ -143,6 +165,10 @@ class ServedGeneration:
         self._closing = True
         if self._ready is not None:
             _settle(self._ready, False)
+
+    def stop_workers(self) -> None:
+        """End the text workers (once the server has stopped: requests still use them before)."""
+        self._text.shutdown(wait=True, cancel_futures=True)
 
     def _late(self, why: str, code: str = "generation_busy") -> HttpError:
         return HttpError(

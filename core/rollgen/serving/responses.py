@@ -137,16 +137,13 @@ def body(
 
 
 def usage(prompt_tokens: int, choices: list[dict[str, Any]]) -> dict[str, int]:
-    generated = sum(len(c["rollgen"]["token_ids"]) for c in choices if "rollgen" in c)
+    return usage_counts(prompt_tokens, sum(len(c["rollgen"]["token_ids"]) for c in choices))
+
+
+def usage_counts(prompt_tokens: int, generated: int) -> dict[str, int]:
+    """OpenAI's ``usage`` (a request's prompt counted once, whatever its ``n``)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": generated,
         "total_tokens": prompt_tokens + generated,
     }
-
-
-def chat_chunk(choice: dict[str, Any]) -> dict[str, Any]:
-    """A finished chat choice as one streamed chunk's choice (its whole message as the delta)."""
-    chunk = {k: v for k, v in choice.items() if k != "message"}
-    chunk["delta"] = choice["message"]
-    return chunk

@@ -1,14 +1,45 @@
 """The requests the server takes, as pydantic models: OpenAI's fields agent code sends, and
 rollgen's extensions (``top_k``, ``session_id``, ``request_id``). Fields OpenAI has that rollgen
-cannot honour are refused by name (``unsupported``) rather than ignored."""
+cannot honour are refused by name (``unsupported``) rather than ignored. Every value is bounded
+so that what passes fits the tensors and engines it goes to: anything else is a 400 naming the
+field."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollgen.spec import MaxNewTokens, Seed, Temperature, TopK, TopP
+from rollgen.spec import MaxNewTokens, Seed, Temperature, TokenId, TopK, TopP
+
+#: What a session id may hold: it is a path segment of ``/v1/sessions/{id}``.
+SESSION_ID = re.compile(r"[A-Za-z0-9._:@~-]{1,200}")
+SESSION_ID_RULE = "1 to 200 of the characters A-Z a-z 0-9 . _ : @ ~ -"
+#: The most samples one request asks for.
+MAX_N = 128
+
+
+def check_text(value: Any) -> Any:
+    """``value`` (a request's parsed JSON) unchanged; ValueError naming the first string in it
+    that is not valid Unicode text (a lone surrogate, which JSON's ``\\ud800`` escapes allow and
+    no tokenizer takes). Walks the JSON without recursion, once."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(
+                    f"{where or 'a string'}: not valid Unicode text (a lone surrogate)"
+                ) from None
+        elif isinstance(item, dict):
+            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in item.items())
+            stack.extend((f"{where} (a key)", k) for k in item)
+        elif isinstance(item, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(item))
+    return value
 
 
 class _Request(BaseModel):
@@ -18,7 +49,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     max_tokens: MaxNewTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -29,12 +60,32 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     #: Extension: keep this conversation's exact tokens on the server (``/v1/sessions/{id}``).
-    session_id: str | None = Field(default=None, min_length=1, max_length=200)
+    session_id: str | None = None
     #: Extension: a name for this request, so that ``POST /v1/rollgen/cancel`` can end it.
     request_id: str | None = Field(default=None, min_length=1, max_length=200)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data: Any) -> Any:
+        return check_text(data)
+
+    @field_validator("session_id")
+    @classmethod
+    def _session_id(cls, value: str | None) -> str | None:
+        if value is not None and not SESSION_ID.fullmatch(value):
+            raise ValueError(f"a session id holds {SESSION_ID_RULE}")
+        return value
+
+    @model_validator(mode="after")
+    def _seeds(self) -> _Request:
+        if self.seed is not None and self.seed + self.n > 2**63:
+            raise ValueError(
+                f"seed: choice i takes seed + i, so seed + n - 1 must be below 2**63 (n={self.n})"
+            )
+        return self
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -50,7 +101,7 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     """``POST /v1/completions``: a prompt as text or as token ids (one prompt per request)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     #: OpenAI's ``logprobs`` of a completion: how many alternatives per token; rollgen has the
     #: sampled token's own logprob only, so 0 (or None) is all it takes.
     logprobs: int | None = Field(default=None, ge=0, le=5)
@@ -71,6 +122,25 @@ class CompletionRequest(_Request):
         return bad
 
 
+class ToolFunction(BaseModel):
+    """The function an assistant's tool call names, its arguments as JSON text."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str = ""
+
+
+class ToolCallIn(BaseModel):
+    """An assistant message's tool call, as OpenAI's SDK sends it back."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
 class ChatMessage(BaseModel):
     """One message of a conversation, as the chat template takes it (extra keys pass through)."""
 
@@ -78,6 +148,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
 
     def for_template(self) -> dict[str, Any]:
         """The message as a dict for the template; text parts joined into one string."""
@@ -113,4 +184,4 @@ class CancelRequest(BaseModel):
     """``POST /v1/rollgen/cancel``: end a request's samples now (they return the tokens they
     have, ``stop_reason`` ``cancelled``)."""
 
-    request_id: str
+    request_id: Annotated[str, Field(min_length=1, max_length=200)]

@@ -16,6 +16,7 @@ from typing import Any
 
 from rollgen.errors import ConfigError, RollgenError
 from rollgen.interface import GenerationInterface
+from rollgen.serving.connections import fit_open_files, guarded_protocol
 from rollgen.serving.engine import ServedGeneration
 from rollgen.serving.state import Limits, ServerState
 from rollgen.serving.tools import choose_tool_parser
@@ -70,7 +71,9 @@ class Server:
         self.api_key = (api_key or secrets.token_urlsafe(32)) if require_api_key else None
         self.generated_key = require_api_key and api_key is None
         limits = limits or Limits()
-        served = ServedGeneration(gen, model_id or Path(gen.cfg["model_name"]).name, limits.submit_timeout_s)
+        served = ServedGeneration(
+            gen, model_id or Path(gen.cfg["model_name"]).name, limits.submit_timeout_s, limits.text_workers
+        )
         self.state = ServerState(served, limits, choose_tool_parser(tool_parser, served.chat_template))
         self.host, self._port = host, port
         self.log_level = log_level
@@ -118,8 +121,12 @@ class Server:
             self.state.closing = True
 
         app = build_app(self.state, self.api_key, lifespan)
+        limits = self.state.limits
         config = uvicorn.Config(
             app,
+            http=guarded_protocol(
+                fit_open_files(limits.max_connections), limits.client_timeout_s, limits.retry_after_s
+            ),
             log_level=self.log_level,
             lifespan="on",
             timeout_graceful_shutdown=30,
@@ -161,6 +168,7 @@ class Server:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.state.served.stop_workers()
 
     def __enter__(self) -> Server:
         return self.start()

@@ -148,24 +148,42 @@ def version_spans(versions: Sequence[int | None]) -> list[dict[str, int]]:
 
 
 class Sessions:
-    """Every live session, by id, up to ``limit`` of them."""
+    """Every live session, by id, up to ``limit`` of them. A session is made by its first turn
+    (``open``) and kept only once a turn of it is recorded: a first turn that fails leaves
+    nothing behind (``discard``), and until one is recorded the session is not listed."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._by_id: dict[str, Session] = {}
 
-    def get(self, session_id: str, create: bool = False) -> Session:
+    def open(self, session_id: str) -> Session:
+        """The session ``session_id``, made (unrecorded) if there is none; SessionLimit when
+        ``limit`` sessions are open."""
         found = self._by_id.get(session_id)
         if found is not None:
             return found
-        if not create:
-            raise KeyError(session_id)
         if len(self._by_id) >= self.limit:
             raise SessionLimit(
-                f"{self.limit} sessions are open; DELETE /v1/sessions/{{id}} the finished ones"
+                f"{self.limit} sessions are open (max_sessions); DELETE /v1/sessions/{{id}} the finished ones"
             )
         session = self._by_id[session_id] = Session(session_id)
         return session
+
+    def holds(self, session: Session) -> bool:
+        """Whether ``session`` is still the one kept under its id."""
+        return self._by_id.get(session.id) is session
+
+    def discard(self, session: Session) -> None:
+        """Forget ``session`` if no turn of it was recorded."""
+        if not session.token_ids and self.holds(session):
+            del self._by_id[session.id]
+
+    def get(self, session_id: str) -> Session:
+        """The session with a recorded turn under ``session_id``; KeyError if there is none."""
+        found = self._by_id.get(session_id)
+        if found is None or not found.token_ids:
+            raise KeyError(session_id)
+        return found
 
     def pop(self, session_id: str) -> Session:
         return self._by_id.pop(session_id)

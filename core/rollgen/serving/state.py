@@ -4,9 +4,10 @@ the requests in flight (by ``request_id``), and one request's turn from admissio
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from rollgen.rollout import Rollout, SampleResult
+from rollgen.errors import ConfigError
+from rollgen.rollout import Rollout, SampleResult, TokenDelta
 from rollgen.serving.engine import ServedGeneration
 from rollgen.serving.errors import HttpError
 from rollgen.serving.schemas import ChatCompletionRequest, CompletionRequest
@@ -18,18 +19,37 @@ Request = CompletionRequest | ChatCompletionRequest
 
 @dataclass(frozen=True)
 class Limits:
-    """The server's limits, each answered in OpenAI's error shape."""
+    """The server's limits, each answered in OpenAI's error shape. Every one is positive
+    (ConfigError otherwise), but for ``max_concurrent_requests`` and ``max_sessions``, which may
+    be 0 (refuse them all)."""
 
     #: Requests generating at once; past it, 429.
     max_concurrent_requests: int = 1024
+    #: Connections open at once (idle kept-alive ones too); past it a new one gets 503 and is
+    #: closed. Fewer where the process's limit on open files is lower (a warning says so).
+    max_connections: int = 4096
     #: A request body's bytes; past it, 413.
     max_body_bytes: int = 16 * 2**20
     #: Sessions kept; past it, a new session gets 429.
     max_sessions: int = 10_000
+    #: How long the server waits on a client: for a request's headers (from its first byte, or
+    #: the connection's opening), for its body (408 past either), and for it to take a
+    #: response's bytes (its connection is closed past it).
+    client_timeout_s: float = 30.0
     #: How long a request waits for the generation (a refit, a wake, a sleep) before 503.
     submit_timeout_s: float = 60.0
     #: The ``Retry-After`` a 503 says.
     retry_after_s: int = 1
+    #: Threads that tokenize prompts, render chat templates and read replies (off the event loop).
+    text_workers: int = 4
+
+    def __post_init__(self) -> None:
+        may_be_zero = ("max_concurrent_requests", "max_sessions")
+        bad = [
+            f.name for f in fields(self) if not getattr(self, f.name) > (-1 if f.name in may_be_zero else 0)
+        ]
+        if bad:
+            raise ConfigError(f"serving Limits must be positive: {', '.join(bad)}")
 
 
 class ServerState:
@@ -57,7 +77,8 @@ class ServerState:
 
 class Turn:
     """One request, from admission to its end: its session held (locked) while it generates,
-    its rollout registered under its ``request_id``, everything released by ``close``."""
+    its rollout registered under its ``request_id``, everything released by ``close`` (a
+    session that no turn was recorded in is forgotten then)."""
 
     def __init__(self, state: ServerState, req: Request) -> None:
         self.state, self.req = state, req
@@ -72,11 +93,16 @@ class Turn:
             return None
         if self.req.n != 1:
             raise HttpError(400, "a session turn takes n=1 (one reply continues a conversation)")
-        try:
-            session = self.state.sessions.get(self.req.session_id, create=True)
-        except SessionLimit as exc:
-            raise HttpError(429, str(exc), "rate_limit_exceeded") from None
-        await session.lock.acquire()
+        sessions = self.state.sessions
+        while True:
+            try:
+                session = sessions.open(self.req.session_id)
+            except SessionLimit as exc:
+                raise HttpError(429, str(exc), "rate_limit_exceeded") from None
+            await session.lock.acquire()
+            if sessions.holds(session):
+                break
+            session.lock.release()  # its first turn failed while this one waited: make it anew
         self.session = session
         session.check_kind(kind)
         return session
@@ -90,16 +116,24 @@ class Turn:
             raise HttpError(400, f"request_id {rid!r} is in flight already")
         batch = self.state.served.batch(self.prompt, self.req)
         replica = self.session.replica if self.session is not None else None
-        self.rollout = await self.state.served.submit(batch, replica)
+        self.rollout = await self.state.served.submit(batch, replica, stream_tokens=self.req.stream)
         if rid is not None:
             self.state.requests[rid] = self.rollout
 
+    def _started(self) -> Rollout:
+        if self.rollout is None:
+            raise RuntimeError("a turn's results before Turn.start")
+        return self.rollout
+
     async def results(self) -> AsyncIterator[SampleResult]:
         """Each choice's result as it finishes."""
-        if self.rollout is None:
-            raise RuntimeError("Turn.results before Turn.start")
-        async for result in self.rollout:
+        async for result in self._started():
             yield result
+
+    def events(self) -> AsyncIterator[list[TokenDelta | SampleResult]]:
+        """Each choice's tokens as they are made, then its result, in batches of those ready at
+        once (a streamed request's)."""
+        return self._started().events().batches()
 
     def close(self) -> None:
         if self.rollout is not None:
@@ -112,6 +146,7 @@ class Turn:
             self.state.running -= 1
             self._admitted = False
         if self.session is not None:
+            self.state.sessions.discard(self.session)
             self.session.lock.release()
             self.session = None
 

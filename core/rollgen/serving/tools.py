@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,26 +41,43 @@ class ToolParser(Protocol):
 
 class HermesToolParser:
     """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen 2.5/3).
-    A block that is not such JSON stays in the text."""
+    A block that is not such JSON stays in the text. Linear in the text: a model's output is
+    what an RL policy can learn to make, so a parser must not be super-linear in it (each block
+    is the text from an opening tag to the first closing tag after it, read once)."""
 
-    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         calls: list[ToolCall] = []
+        kept: list[str] = []
+        at = 0
+        while (start := text.find(self.OPEN, at)) >= 0:
+            end = text.find(self.CLOSE, start + len(self.OPEN))
+            if end < 0:  # no closing tag after this one: none after any later one either
+                break
+            call = _call(text[start + len(self.OPEN) : end])
+            kept.append(text[at:start])
+            if call is None:
+                kept.append(text[start : end + len(self.CLOSE)])
+            else:
+                calls.append(call)
+            at = end + len(self.CLOSE)
+        if not calls:
+            return text, []
+        kept.append(text[at:])
+        return "".join(kept).strip(), calls
 
-        def take(match: re.Match[str]) -> str:
-            try:
-                data = json.loads(match.group(1))
-            except json.JSONDecodeError:
-                return match.group(0)
-            if not (isinstance(data, dict) and isinstance(data.get("name"), str)):
-                return match.group(0)
-            args = data.get("arguments", {})
-            calls.append(ToolCall(data["name"], args if isinstance(args, str) else json.dumps(args)))
-            return ""
 
-        rest = self._BLOCK.sub(take, text)
-        return (rest.strip() if calls else text), calls
+def _call(block: str) -> ToolCall | None:
+    """The call a block's JSON names; None for anything else (too deeply nested JSON too)."""
+    try:
+        data = json.loads(block.strip())
+    except (ValueError, RecursionError):
+        return None
+    if not (isinstance(data, dict) and isinstance(data.get("name"), str)):
+        return None
+    args = data.get("arguments", {})
+    return ToolCall(data["name"], args if isinstance(args, str) else json.dumps(args))
 
 
 BUILT_IN: dict[str, Callable[[], ToolParser]] = {"hermes": HermesToolParser}
