@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs a command on the lent GPU machine after ../shared/gpu staging (docs/gpu-results.md has the
 # exact calls):  bash scripts/gpu_run.sh SET COMMAND...   with SET = vllm-ray or sglang.
-# Installs rollgen (with its entry points) into /tmp/rg-HASH (HASH of the sources, so a changed
-# tree gets its own copy and runs still going keep theirs), puts the staged wheel set on
-# PYTHONPATH (for sglang: plus Ray alone, linked from the vllm-ray set, which must be staged too;
-# the two sets are never mixed otherwise) and sets the environment the GPU notes prescribe.
+# Installs rollgen and its backend distributions (plugins/*, each with its entry point) into
+# /tmp/rg-HASH (HASH of the sources, so a changed tree gets its own copy and runs still going
+# keep theirs), puts the staged wheel set on PYTHONPATH (for sglang: plus Ray alone, linked from
+# the vllm-ray set, which must be staged too; the two sets are never mixed otherwise) and sets the
+# environment the GPU notes prescribe.
 set -uo pipefail
 set_=${1:?usage: gpu_run.sh vllm-ray|sglang COMMAND...}
 shift
@@ -28,7 +29,8 @@ export ROLLGEN_CACHE_DIR=/tmp/rgcache
 rg=/tmp/rg-$(find pyproject.toml core plugins -type f \( -name '*.py' -o -name '*.toml' \) -print0 \
   | sort -z | xargs -0 cat | md5sum | cut -c1-10)
 if [ ! -d "$rg/rollgen" ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$rg.$$" . || exit 1
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$rg.$$" . plugins/*_backend \
+    || exit 1
   mv -T "$rg.$$" "$rg" 2>/dev/null || rm -rf "$rg.$$"  # a parallel run may have won
 fi
 # $PWD last: engine processes import the benchmarks' worker extension (benchmarks.vllm_ext)

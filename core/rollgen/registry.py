@@ -200,9 +200,9 @@ class Registry:
         extra = f"; broken plugins: {', '.join(broken)}" if broken else ""
         extra += f"; disabled by {ALLOW_ENV}/{BLOCK_ENV}: {', '.join(disabled)}" if disabled else ""
         raise BackendNotFound(
-            f"no rollgen backend named {name!r}.{guess} Installed: {installed}{extra}. Built-in engines "
-            "come as extras (pip install 'rollgen[hf]', 'rollgen[vllm]', 'rollgen[sglang]'); a "
-            "third-party backend is a distribution with an entry point in group 'rollgen'"
+            f"no rollgen backend named {name!r}.{guess} Installed: {installed}{extra}. A backend is a "
+            "distribution with an entry point in group 'rollgen'; rollgen's own come with its extras "
+            "(pip install 'rollgen[hf]', 'rollgen[vllm]', 'rollgen[sglang]')"
         )
 
     def backend_hook(self, name: str, hook: str, **kwargs: Any) -> Any:
