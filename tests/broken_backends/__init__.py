@@ -134,6 +134,13 @@ MUTANTS = [
         "that were not running",
     ),
     Mutant(
+        "streaming:ProgressLogprobsOff",
+        "hf",
+        "the tokens reported while a sample runs are its end's",
+        "streamed_tokens_are_the_results",
+        "streamed logprobs",
+    ),
+    Mutant(
         "streaming:PrefillLosesSamples",
         "hf",
         "a failed engine step fails the samples it started",

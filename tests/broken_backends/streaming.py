@@ -12,7 +12,7 @@ import torch
 
 from rollgen.data import BatchedDataDict
 from rollgen.refit import WeightBucket, load_into_module
-from rollgen.rollout import FinishedSample, SampleRequest
+from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen_hf.decode import Decoder
 from rollgen_hf.generation import HfGeneration
@@ -111,3 +111,15 @@ class WeightsLoadAfterPrefill(HfGeneration):
         decoder = super()._cohort(requests)
         self._load_pending()
         return decoder
+
+
+class ProgressLogprobsOff(HfGeneration):
+    """Breaks "the tokens reported while a sample runs are those its end reports": the
+    logprobs of its progress reports are off by 0.5 (its end's are right)."""
+
+    def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
+        super().__init__(config, cluster=cluster, backend=backend)
+        progress = self._streams.progress
+        self._streams.progress = lambda moved: progress(  # type: ignore[method-assign]
+            [SampleProgress(m.key, m.token_ids, tuple(lp - 0.5 for lp in m.logprobs)) for m in moved]
+        )

@@ -10,6 +10,7 @@ The cancel test runs on weights whose samples provably never end early (``one_to
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -26,7 +27,7 @@ from rollgen.conformance.checks import (
     skip_unless,
 )
 from rollgen.output import STOP_REASONS, generated_mask
-from rollgen.rollout import STRAY_REPORT, Rollout, SampleResult
+from rollgen.rollout import STRAY_REPORT, Rollout, SampleResult, TokenDelta
 from rollgen.spec import Capability
 from rollgen.testing.reference import agreement, next_token_logprobs, one_token_model, scored_logprobs
 
@@ -189,6 +190,43 @@ class StreamingTests:
             ).wait()
             == []
         )
+
+    def test_streamed_tokens_are_the_results(
+        self,
+        request: pytest.FixtureRequest,
+        engine: Any,
+        caps: frozenset[Capability],
+        batch: dict[str, torch.Tensor],
+        greedy_out: dict[str, torch.Tensor],
+    ) -> None:
+        """``stream_tokens``: each sample's deltas, in order, hold exactly its result's tokens
+        and logprobs, each stamped with the version its result says, and its result comes
+        after them (a backend need not report tokens before a sample's end; ours do)."""
+        self.gate(engine, caps, batch)
+        rollout = engine.submit(batch, greedy=True, stream_tokens=True)
+        shown: dict[int, list[TokenDelta]] = {i: [] for i in range(rollout.size)}
+        ended: set[int] = set()
+        for event in rollout.events():
+            assert event.index not in ended, f"sample {event.index}: {event!r} after its result"
+            if isinstance(event, TokenDelta):
+                shown[event.index].append(event)
+            else:
+                ended.add(event.index)
+        assert ended == set(range(rollout.size)), f"results of {sorted(ended)} of {rollout.size}"
+        results = rollout.wait()
+        for r in results:
+            deltas = shown[r.index]
+            starts = [d.start for d in deltas]
+            assert starts == list(itertools.accumulate([0] + [len(d.token_ids) for d in deltas[:-1]])), (
+                f"sample {r.index}: deltas start at {starts}, not one after the other from 0"
+            )
+            tokens = [t for d in deltas for t in d.token_ids]
+            logprobs = [lp for d in deltas for lp in d.logprobs]
+            assert tokens == r.token_ids, f"sample {r.index}: streamed {tokens}, its result {r.token_ids}"
+            assert logprobs == r.logprobs, f"sample {r.index}: streamed logprobs {logprobs} vs {r.logprobs}"
+            assert all(d.version == r.version_at(d.start) for d in deltas), (r.versions, deltas)
+        request.node.user_properties.append(("streamed_deltas", sum(len(d) for d in shown.values())))
+        assert_same_generation(request, "token_streamed", rollout.output(), greedy_out)
 
     def test_cancel(
         self,
