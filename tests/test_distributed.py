@@ -1,5 +1,7 @@
 """Ray orchestration on real Ray: tied groups, a simulated two-node cluster, worker faults."""
 
+from typing import Any
+
 import pytest
 import ray
 import torch
@@ -240,3 +242,63 @@ def test_a_sample_goes_to_its_preferred_replica_while_it_has_room_else_the_least
     assert place(None, [2, 5, 5]) == 1, "no preference: the most room, the first of equals"
     assert place(7, [0, 3]) == 1, "a replica the dispatcher does not have is no preference"
     assert place(0, [0, 0]) is None and place(None, [0, -1]) is None, "nothing has room: it waits"
+
+
+class _Calls:
+    """A stand-in for a Ray actor method (``.remote`` records its arguments), not an actor."""
+
+    def __init__(self, log: list[tuple[str, int, Any]], name: str, engine: int) -> None:
+        self.log, self.name, self.engine = log, name, engine
+
+    def remote(self, *args: Any) -> object:
+        self.log.append((self.name, self.engine, args))
+        return object()
+
+
+class _StandInGroup:
+    """A stand-in worker group of two engines whose calls are only recorded (for the
+    dispatcher's bookkeeping, without Ray)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int, Any]] = []
+        self.names = ["engine 0", "engine 1"]
+        self.workers = [
+            type("W", (), {m: _Calls(self.log, m, i) for m in ("start_samples", "abort_samples", "poll")})()
+            for i in range(2)
+        ]
+
+
+def test_a_streaming_sample_of_a_dead_engine_continues_from_the_tokens_it_streamed() -> None:
+    """The dispatcher hands on a streaming sample's tokens as its engine makes them; when the
+    engine dies, the sample restarts elsewhere from its prompt and those tokens (its budget
+    less them), and its end is reported with them first: nothing handed on is taken back."""
+    from rollgen.distributed.dispatch import SampleDispatcher
+    from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
+    from rollgen.sampling import SampleParams
+
+    group = _StandInGroup()
+    ended: list[FinishedSample] = []
+    shown: list[SampleProgress] = []
+    dispatcher = SampleDispatcher(group, [1, 1], ended.extend, lambda e: None, progress=shown.extend)  # type: ignore[arg-type]
+    params = SampleParams(1.0, 1.0, -1, 10, (), (2,), 7)
+    streaming = SampleRequest("0:0:0", (5, 6), params, replica=0, stream_tokens=True)
+    plain = SampleRequest("0:1:0", (5, 6), params, replica=0)
+    with dispatcher._lock:  # as start() does, without its polling thread
+        dispatcher._queue.extend([streaming, plain])
+        dispatcher._send()
+    assert [(e, [r.key for r in args[0]]) for name, e, args in group.log] == [(0, ["0:0:0"]), (1, ["0:1:0"])]
+    dispatcher._moved(0, [SampleProgress("0:0:0", (30, 31), (-0.1, -0.2))])
+    assert shown == [SampleProgress("0:0:0", (30, 31), (-0.1, -0.2))]
+    dispatcher.take_out(0)  # engine 0 died: its sample waits for engine 1's room
+    dispatcher._ended(1, [FinishedSample("0:1:0", (40, 2), (-0.3, -0.4), replica=1)])
+    (name, engine, (requests,)) = group.log[-1]
+    (again,) = requests
+    assert (name, engine) == ("start_samples", 1)
+    assert again.prompt_ids == (5, 6, 30, 31) and again.params.max_new_tokens == 8
+    dispatcher._moved(0, [SampleProgress("0:0:0", (99,), (-9.0,))])  # a late report of the dead one
+    dispatcher._moved(1, [SampleProgress("0:0:0", (32,), (-0.5,))])
+    dispatcher._ended(1, [FinishedSample("0:0:0", (32, 33, 2), (-0.5, -0.6, -0.7), replica=1)])
+    assert [s.token_ids for s in shown] == [(30, 31), (32,)]
+    last = ended[-1]
+    assert last.key == "0:0:0" and last.token_ids == (30, 31, 32, 33, 2) and last.restarts == 1
+    assert last.logprobs == (-0.1, -0.2, -0.5, -0.6, -0.7)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rollgen.conformance.checks import assert_same_generation, assert_same_tokens, can_refit
+from rollgen.rollout import TokenDelta
 from rollgen.spec import Capability
 from rollgen.testing.faults import kill_replica
 
@@ -129,11 +130,21 @@ class FleetTests:
             pytest.skip("async not declared: no streamed samples")
         size = batch["input_ids"].shape[0]
         first = engine.submit(batch, greedy=True)
+        streamed = engine.submit(batch, greedy=True, stream_tokens=True)
         kill_replica(engine, 0)
         second = engine.submit(batch, greedy=True)  # some of it sent to the dead replica
-        results = first.wait() + second.wait()
-        assert sorted(r.index for r in results) == sorted(list(range(size)) * 2), (
-            f"samples reported {sorted(r.index for r in results)}: each of both rollouts' must come once"
+        shown: dict[int, list[int]] = {i: [] for i in range(size)}
+        for event in streamed.events():
+            if isinstance(event, TokenDelta):
+                assert event.start == len(shown[event.index]), (
+                    f"sample {event.index}: a delta at {event.start} after {len(shown[event.index])} tokens "
+                    "(a restarted sample must continue from the tokens it streamed, never take them back)"
+                )
+                shown[event.index] += event.token_ids
+        results = first.wait() + second.wait() + streamed.wait()
+        assert all(shown[r.index] == r.token_ids for r in streamed.wait()), (shown, streamed.wait())
+        assert sorted(r.index for r in results) == sorted(list(range(size)) * 3), (
+            f"samples reported {sorted(r.index for r in results)}: each of the rollouts' must come once"
         )
         start, lengths = batch["input_lengths"].tolist(), greedy_out["generation_lengths"].tolist()
         for r in results:
