@@ -14,6 +14,8 @@ import httpx
 import openai
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import rollgen
 from rollgen.errors import ConfigError, UnsupportedCapability
@@ -570,3 +572,21 @@ def test_a_request_that_comes_while_asleep_is_answered_once_awake(
     assert stopped.status_code == 503 and stopped.json()["error"]["code"] == "server_shutting_down", (
         stopped.text
     )
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=40), cuts=st.lists(st.integers(1, 12), min_size=40, max_size=40))
+def test_streamed_text_is_the_whole_text(gen: Any, text: str, cuts: list[int]) -> None:
+    """Both incremental decoders (the fast tokenizer's own, and windowed decodes for any
+    tokenizer), fed a reply's tokens in any pieces, give its whole text."""
+    from rollgen.serving.streaming import IncrementalText, StreamedText
+
+    tok = gen.tokenizer
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    whole = tok.decode(ids, skip_special_tokens=True)
+    for decoder in (StreamedText(tok.backend_tokenizer), IncrementalText(lambda i: tok.decode(list(i)))):
+        shown, at = "", 0
+        for cut in cuts:
+            shown += decoder.add(ids[at : at + cut])
+            at += cut
+        assert shown == whole, type(decoder).__name__

@@ -250,7 +250,7 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
             ChoiceStream(
                 i,
                 turn.prompt,
-                served.decode,
+                served.text_stream(),
                 hold,
                 chat,
                 logprobs,

@@ -21,6 +21,7 @@ from rollgen.interface import GenerationInterface
 from rollgen.rollout import Rollout
 from rollgen.serving.errors import HttpError
 from rollgen.serving.schemas import ChatCompletionRequest, CompletionRequest
+from rollgen.serving.streaming import IncrementalText, StreamedText
 from rollgen.spec import Capability
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,12 @@ class ServedGeneration:
 
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
+
+    def text_stream(self) -> IncrementalText | StreamedText:
+        """A new incremental decoder of a reply's text (special tokens skipped): the fast
+        tokenizer's own where there is one, else windowed decodes."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        return StreamedText(backend) if backend is not None else IncrementalText(self.decode)
 
     def batch(self, prompt: Sequence[int], req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
         """``n`` copies of ``prompt`` with the request's sampling settings as per-sample keys

@@ -19,9 +19,9 @@ MAX_PENDING = 8
 
 
 class IncrementalText:
-    """A sample's text, decoded as its tokens come: each call decodes the new tokens with at
-    most ``WINDOW`` before them, and holds back tokens that end inside a character (up to
-    ``MAX_PENDING`` of them)."""
+    """A sample's text, decoded as its tokens come, for any tokenizer: each call decodes the new
+    tokens with at most ``WINDOW`` before them, and holds back tokens that end inside a
+    character (up to ``MAX_PENDING`` of them). Fast tokenizers use ``StreamedText`` instead."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
         self._decode = decode
@@ -29,15 +29,36 @@ class IncrementalText:
         self._read = 0  # tokens whose text was given
 
     def add(self, ids: Sequence[int]) -> str:
-        """The text that ``ids`` (the next tokens) add."""
+        """The text that ``ids`` (the next tokens) add: up to the last token that ends a
+        character (holding back at most ``MAX_PENDING`` tokens: bytes that never make one are
+        given as they decode)."""
         self._ids.extend(ids)
         start = max(0, self._read - WINDOW)
         before = self._decode(self._ids[start : self._read])
-        text = self._decode(self._ids[start:])
-        if text.endswith("\ufffd") and len(self._ids) - self._read <= MAX_PENDING:
-            return ""
-        self._read = len(self._ids)
+        end = len(self._ids)
+        text = self._decode(self._ids[start:end])
+        while text.endswith("\ufffd") and len(self._ids) - end < MAX_PENDING:
+            end -= 1  # hold this token back
+            if end == self._read:
+                return ""
+            text = self._decode(self._ids[start:end])
+        self._read = end
         return text[len(before) :]
+
+
+class StreamedText:
+    """The same for a fast tokenizer, by its own incremental decoder (``tokenizers``'
+    ``DecodeStream``, special tokens skipped): a token at a time, in Rust."""
+
+    def __init__(self, backend: Any) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def add(self, ids: Sequence[int]) -> str:
+        pieces = (self._stream.step(self._backend, t) for t in ids)
+        return "".join(p for p in pieces if p)
 
 
 class ChoiceStream:
@@ -45,7 +66,7 @@ class ChoiceStream:
 
     Args:
         index: the choice's index. prompt: its prompt's token ids (in its first chunk).
-        decode: the served tokenizer's decode (special tokens skipped).
+        text: its text's incremental decoder (``ServedGeneration.text_stream``).
         hold: characters of text held back while it runs (the longest stop string, less one);
             None: all of it (tools offered: the parser reads the reply whole).
         chat: chat chunks (``delta``) or completion chunks (``text``).
@@ -56,7 +77,7 @@ class ChoiceStream:
         self,
         index: int,
         prompt: Sequence[int],
-        decode: Callable[[Sequence[int]], str],
+        text: IncrementalText | StreamedText,
         hold: int | None,
         chat: bool,
         logprobs: bool,
@@ -65,7 +86,7 @@ class ChoiceStream:
     ) -> None:
         self.index, self.prompt, self.hold, self.chat = index, prompt, hold, chat
         self.logprobs, self.token_text, self.logprobs_mode = logprobs, token_text, logprobs_mode
-        self.text = IncrementalText(decode)
+        self.text = text
         self.decoded = ""  # the text decoded so far
         self.sent = 0  # characters of it sent
         self.started = False
