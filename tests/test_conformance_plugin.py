@@ -130,6 +130,7 @@ def test_capability_gates_are_markers_at_collection(suite: pytest.Pytester) -> N
 
     assert collected("-m", "requires_async") == [
         "test_stream_equals_generate",
+        "test_streamed_tokens_are_the_results",
         "test_cancel",
         "test_update_in_flight[keep]",
         "test_update_in_flight[abort]",
