@@ -444,8 +444,8 @@ def test_in_place_views_rebuild_each_tensor_where_it_lies_in_its_storage() -> No
     bytes. The receiver's mapping of each storage is stood in for by the storage itself (CUDA
     IPC has no CPU form)."""
     from rollgen.refit import InPlaceViews, IpcHandle
-    from rollgen.refit.transports import cuda_ipc
     from rollgen.refit.in_place import bytes_of, storage_places
+    from rollgen.refit.transports import cuda_ipc
 
     flat = torch.arange(24, dtype=torch.float32)
     own = torch.randn(2, 3, dtype=torch.bfloat16)

@@ -451,14 +451,7 @@ class BaseGeneration(ABC):
         self._check_open()
         self._awake.require(["weights"], "refit")
         self.require(transport_named(self.local_transport).capability, "refit")
-        self.updates.refit(
-            source,
-            bucket_bytes=bucket_bytes,
-            dtype=dtype,
-            partial=partial,
-            check_finite=check_finite,
-            mode=mode,
-        )
+        self.updates.refit(source, bucket_bytes, dtype, partial, check_finite, mode)
 
     @serialised
     def release_refit_buffers(self) -> None:

@@ -4,16 +4,13 @@ reach of CUDA IPC handles, and NaN/infinity (fused norms, or one CUDA graph of t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from rollgen.errors import RefitError
 from rollgen.refit.meta import Named, TensorMeta, WeightSpec
-
-if TYPE_CHECKING:
-    from rollgen.refit.bucket import WeightBucket
-
+from rollgen.refit.transports.base import Packet, transport_named
 
 #: The dtypes a refit may cast to (``dtype=``): the engines' weight dtypes.
 CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -110,7 +107,7 @@ def check_against_spec(metas: Iterable[TensorMeta], expected: WeightSpec, partia
         )
 
 
-def check_reach(bucket: WeightBucket, engine_devices: Iterable[str]) -> None:
+def check_reach(bucket: Packet, engine_devices: Iterable[str]) -> None:
     """Check, on the driver before anything is sent, that a bucket reaches every engine GPU.
 
     Args:
@@ -119,7 +116,7 @@ def check_reach(bucket: WeightBucket, engine_devices: Iterable[str]) -> None:
 
     Raises:
         RefitError: listing each engine GPU the bucket holds no handle for."""
-    bucket.via.check_reach(bucket.payload, list(engine_devices))
+    transport_named(bucket.transport).check_reach(bucket.payload, list(engine_devices))
 
 
 @torch.no_grad()

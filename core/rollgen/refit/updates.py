@@ -134,7 +134,6 @@ class WeightUpdates:
     def refit(
         self,
         source: torch.nn.Module | Mapping[str, torch.Tensor],
-        *,
         bucket_bytes: int | None,
         dtype: torch.dtype | None,
         partial: bool,

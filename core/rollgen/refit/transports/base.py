@@ -1,13 +1,13 @@
 """The small base every bucket transport implements: both ends of one way a bucket's tensors
 reach an engine (the trainer's pack, what each receiver is sent, the receiver's unpack and
-release), and the table of them by name (``WeightBucket.transport``)."""
+release), and the table of them by name (``Packet.transport``)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -15,8 +15,15 @@ from rollgen.errors import RefitError
 from rollgen.refit.meta import TensorMeta, Transport
 from rollgen.spec import Capability
 
-if TYPE_CHECKING:
-    from rollgen.refit.bucket import WeightBucket
+
+class Packet(Protocol):
+    """What a transport reads and writes of a bucket (``rollgen.refit.bucket.Packet``)."""
+
+    transport: Transport
+    metas: tuple[TensorMeta, ...]
+    payload: Any
+    offsets: tuple[int, ...]
+    held: list[torch.Tensor]
 
 
 @dataclass
@@ -31,14 +38,14 @@ class Packed:
 
 
 class BucketTransport(ABC):
-    """One transport, both ends. Subclasses set ``name`` (the ``WeightBucket.transport`` it
+    """One transport, both ends. Subclasses set ``name`` (the ``Packet.transport`` it
     takes) and ``capability`` (what a backend declares to take it), and implement ``pack`` and
     ``unpack``."""
 
     name: ClassVar[Transport]
     capability: ClassVar[Capability]
     #: Whether one pickle of a bucket may go to several receivers as it is (False: each receiver
-    #: gets a pickle made for it, as ``WeightBucket.__getstate__`` makes one per pickle).
+    #: gets a pickle made for it, as ``Packet.__getstate__`` makes one per pickle).
     shared_pickle: ClassVar[bool] = True
     #: Whether a refit over it packs into staging buffers kept between refits, where every engine
     #: reports its GPUs (``rollgen.refit.staging``).
@@ -67,17 +74,17 @@ class BucketTransport(ABC):
         raise RefitError(f"merge_buckets merges cuda_ipc buckets; a rank packed {self.name!r}")
 
     # ---- what each receiver is sent -------------------------------------------------------------
-    def pickled_payload(self, bucket: WeightBucket) -> Any:
+    def pickled_payload(self, bucket: Packet) -> Any:
         """The payload a pickle of ``bucket`` carries (made once per pickle)."""
         return bucket.payload
 
     # ---- the receiver's end ---------------------------------------------------------------------
-    def resolve(self, bucket: WeightBucket) -> None:  # noqa: B027 - nothing to map by default
+    def resolve(self, bucket: Packet) -> None:  # noqa: B027 - nothing to map by default
         """Map a received ``bucket`` into this process (once), so it can be unpacked here and
         sent onwards."""
 
     @abstractmethod
-    def unpack(self, bucket: WeightBucket, device: torch.device | str | None) -> list[torch.Tensor]:
+    def unpack(self, bucket: Packet, device: torch.device | str | None) -> list[torch.Tensor]:
         """The bucket's tensors in this process, in the order of its metas (``device``: the GPU
         to map them on, where the transport maps; None: this process's)."""
 

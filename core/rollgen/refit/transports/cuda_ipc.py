@@ -6,17 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from rollgen.errors import RefitError
 from rollgen.refit.meta import TensorMeta, flat_offsets, flatten, mirror, unflatten
-from rollgen.refit.transports.base import BucketTransport, Packed, register
+from rollgen.refit.transports.base import BucketTransport, Packed, Packet, register
 from rollgen.spec import Capability
-
-if TYPE_CHECKING:
-    from rollgen.refit.bucket import WeightBucket
 
 
 @dataclass(frozen=True)
@@ -191,7 +188,7 @@ class CudaIpc(BucketTransport):
             merged.update(payload)
         return merged
 
-    def unpack(self, bucket: WeightBucket, device: torch.device | str | None) -> list[torch.Tensor]:
+    def unpack(self, bucket: Packet, device: torch.device | str | None) -> list[torch.Tensor]:
         entry, index = gpu_entry(bucket.payload, device)
         if isinstance(entry, InPlaceViews):
             return entry.views(bucket.metas, index)

@@ -10,16 +10,13 @@ import io
 import pickle
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from rollgen.refit.meta import TensorMeta, flat_offsets, flatten, unflatten
-from rollgen.refit.transports.base import BucketTransport, Packed, register
+from rollgen.refit.transports.base import BucketTransport, Packed, Packet, register
 from rollgen.spec import Capability
-
-if TYPE_CHECKING:
-    from rollgen.refit.bucket import WeightBucket
 
 
 class SharedMemory(BucketTransport):
@@ -38,20 +35,20 @@ class SharedMemory(BucketTransport):
         buf = flatten(tensors, metas, offsets, torch.device("cpu")).share_memory_()
         return Packed(None, offsets, [buf])
 
-    def pickled_payload(self, bucket: WeightBucket) -> Any:
+    def pickled_payload(self, bucket: Packet) -> Any:
         if not bucket.held:
             return bucket.payload
         buf = io.BytesIO()
         ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(bucket.held)
         return buf.getvalue()
 
-    def resolve(self, bucket: WeightBucket) -> None:
+    def resolve(self, bucket: Packet) -> None:
         if not bucket.held:
             torch.multiprocessing.set_sharing_strategy("file_system")
             bucket.held = pickle.loads(bucket.payload)  # the handles of a pickle made for this process
             bucket.payload = None
 
-    def unpack(self, bucket: WeightBucket, device: torch.device | str | None) -> list[torch.Tensor]:
+    def unpack(self, bucket: Packet, device: torch.device | str | None) -> list[torch.Tensor]:
         self.resolve(bucket)
         return unflatten(bucket.held[0], bucket.metas, bucket.offsets)
 

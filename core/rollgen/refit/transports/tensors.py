@@ -4,16 +4,12 @@ store (any pickle of them carries their bytes)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from rollgen.refit.meta import TensorMeta
-from rollgen.refit.transports.base import BucketTransport, Packed, register
+from rollgen.refit.transports.base import BucketTransport, Packed, Packet, register
 from rollgen.spec import Capability
-
-if TYPE_CHECKING:
-    from rollgen.refit.bucket import WeightBucket
 
 
 class Tensors(BucketTransport):
@@ -27,7 +23,7 @@ class Tensors(BucketTransport):
     ) -> Packed:
         return Packed(tensors)
 
-    def unpack(self, bucket: WeightBucket, device: torch.device | str | None) -> list[torch.Tensor]:
+    def unpack(self, bucket: Packet, device: torch.device | str | None) -> list[torch.Tensor]:
         return list(bucket.payload)
 
 
