@@ -168,11 +168,14 @@ def test_an_nccl_group_with_two_ranks_on_one_gpu_is_refused_before_anyone_joins(
     """NCCL refuses (or hangs on) two ranks of one group on one GPU: two engines sharing a GPU
     is a RefitError naming it, before any rank joins (engine GPUs faked: this machine has none)."""
     import rollgen
-    from rollgen_hf.generation import HfGeneration
 
-    monkeypatch.setattr(HfGeneration, "engine_devices", property(lambda self: ("GPU-a", "GPU-a")))
-    monkeypatch.setattr(HfGeneration, "sync_device", property(lambda self: torch.device("cuda", 0)))
     with rollgen.create_generation(hf_config) as gen:
+        link = gen.updates.link
+        monkeypatch.setattr(
+            link,
+            "facts",
+            dataclasses.replace(link.facts, devices=("GPU-a", "GPU-a"), sync_device=torch.device("cuda", 0)),
+        )
         spec = SyncGroupSpec("127.0.0.1", 29999, 2, "nccl", 5.0)
         with pytest.raises(RefitError, match=r"GPU\(s\) \['GPU-a'\]"):
             gen.init_weight_sync(spec)

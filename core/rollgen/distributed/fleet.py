@@ -31,6 +31,8 @@ from rollgen.data import BatchedDataDict
 from rollgen.distributed.worker import EngineWorker, GenerateRequest
 from rollgen.errors import RefitError, WorkerError
 from rollgen.refit.bucket import WeightBucket, grouped, pack_bucket
+from rollgen.refit.meta import Transport
+from rollgen.refit.transports import transport_named
 from rollgen.sampling import SampleParams
 
 if TYPE_CHECKING:
@@ -103,7 +105,7 @@ class RetainedWeights:
             return f"the fleet kept weight version {self.version}, the generation is at {version}"
         return None
 
-    def buckets(self, transport: Literal["tensors", "shared_memory"]) -> list[WeightBucket]:
+    def buckets(self, transport: Transport) -> list[WeightBucket]:
         """The retained tensors packed for ``transport`` (none: the start-up weights are current)."""
         named = list(self.tensors.items())
         groups = grouped(named, CATCH_UP_BUCKET_BYTES, None)
@@ -240,11 +242,8 @@ class Fleet:
                 replica.last_error = why
                 logger.error("%s: replica %s stays out: %s", self.gen.name, self.gen.group.names[index], why)
             return
-        transport: Literal["tensors", "shared_memory"] = (
-            "shared_memory" if self.gen.local_transport == "shared_memory" else "tensors"
-        )
-        try:
-            self._link.adopt(index, self.weights.buckets(transport))
+        try:  # packed for the engines' transport of host tensors
+            self._link.adopt(index, self.weights.buckets(transport_named(self.gen.local_transport).host))
         except WorkerError as exc:
             replica.last_error = f"bringing it to weight version {version} failed: {exc}"
             self._move(index, "dead", replica.last_error)

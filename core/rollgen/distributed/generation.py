@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -27,8 +27,7 @@ from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
 from rollgen.errors import ConfigError, WorkerError
 from rollgen.processes import running
-from rollgen.refit import WeightBucket, dtype_name
-from rollgen.refit.bucket import named_tensors
+from rollgen.refit import Transport, dtype_name
 from rollgen.rollout import ReplicaLoad, SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.wake import WAKE_TAGS
@@ -137,7 +136,6 @@ class RayGeneration(BaseGeneration):
     #: Tokens of the engine's context it will not take as prompt: rollgen's ``max_model_len``
     #: (validation, clamping) is that much shorter than the context length the engine gets.
     reserved_context: ClassVar[int] = 0
-    engines_in_process: ClassVar[bool] = False
     #: The ranks each engine joins a weight-sync group with (None: one per tensor-parallel rank).
     sync_ranks_per_engine: ClassVar[int | None] = None
     shutdown_wait_s: ClassVar[float | None] = SHUTDOWN_WAIT_S
@@ -150,7 +148,8 @@ class RayGeneration(BaseGeneration):
         self.use_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.plan = self.make_plan(self.use_gpus)
         self.max_model_len = self.plan.max_model_len
-        self.local_transport = "cuda_ipc" if self.use_gpus else "shared_memory"
+        #: How refits reach the engines (``RayLink.facts``).
+        self.transport: Transport = "cuda_ipc" if self.use_gpus else "shared_memory"
         self._own_cluster = cluster is None
         tp = self.plan.spec.tensor_parallel_size
         if cluster is None:
@@ -183,7 +182,8 @@ class RayGeneration(BaseGeneration):
                 self._streams.progress,
             )
             self.fleet = Fleet(self, self.plan.spec.engine)
-            self.updates  # noqa: B018 - its link opens the engines' refit channels now
+            self.link_engine(RayLink(self))  # it opens the engines' refit channels
+            self.updates.on_update(self.fleet.updated)  # the fleet keeps what a replacement needs
             self.group.call_timeout_s = self.plan.spec.engine["call_timeout_s"]
             on_failure.pop_all()
         logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, self.engine_info[0])
@@ -261,43 +261,11 @@ class RayGeneration(BaseGeneration):
         if not (error.died and self.fleet.died_as(error)):  # with "replace", a death others survive
             super()._worker_failed(error)
 
-    def _run_update(
-        self,
-        apply: Callable[[], None],
-        *,
-        buckets: list[WeightBucket] | None = None,
-        source: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
-        dtype: torch.dtype | None = None,
-        partial: bool = False,
-    ) -> None:
-        """Run the update (a replica's death during it: on the survivors once more, see
-        ``WeightUpdates``); then the replicas in service hold the new version, and (with
-        "replace") the fleet keeps its tensors for a replacement."""
-        replaces = self.fleet.replaces
-        if replaces:
-            for b in buckets or ():
-                b.resolve()  # mapped here before they are sent, to be read after
-        apply()
-        named: Iterable[tuple[str, torch.Tensor]] | None
-        if buckets is not None:
-            named = (pair for b in buckets for pair in b.unpack()) if replaces else ()
-        elif source is not None:
-            named = ((n, t if dtype is None else t.to(dtype)) for n, t in named_tensors(source))
-        else:
-            named = None  # over the weight-sync group
-        self.fleet.updated(named, partial)
-
     def _stream_abort(self, keys: list[str]) -> None:
         self._dispatcher.abort(keys)
 
     def replica_load(self) -> list[ReplicaLoad]:
         return self._dispatcher.load()
-
-    def _apply_bucket(self, bucket: WeightBucket) -> None:
-        self.updates.link.apply_bucket(bucket, reset_prefix=False)
-
-    def _refit_link(self) -> RayLink:
-        return RayLink(self)
 
     @property
     def engine_devices(self) -> tuple[str, ...]:
@@ -324,16 +292,14 @@ class RayGeneration(BaseGeneration):
 
     def _shutdown(self) -> None:
         try:
-            if "updates" in self.__dict__:
-                self.updates.link.release()
+            self.updates.release()
         except WorkerError as exc:  # a dead or hung worker: what it mapped goes with its process
             logger.warning("%s: the engines could not release the refit buffers: %s", self.name, exc)
         finally:
             self._release()
 
     def _release(self) -> None:
-        if "updates" in self.__dict__:
-            self.updates.link.close()
+        self.updates.close()
         dispatcher = getattr(self, "_dispatcher", None)
         if dispatcher is not None:
             dispatcher.close()

@@ -20,8 +20,10 @@ from rollgen.errors import WorkerError
 from rollgen.refit import Named, WeightBucket, WeightSpec, channel
 from rollgen.refit.channel import EngineChannels
 from rollgen.refit.in_place import InPlaceSources
-from rollgen.refit.link import GenerationLink, Packing, pack_with
+from rollgen.refit.layouts import KEPT_LAYOUTS
+from rollgen.refit.link import EngineFacts, Packing, pack_with
 from rollgen.refit.staging import RefitStaging, flat_sizes
+from rollgen.refit.transports import transport_named
 from rollgen.refit.weight_sync import SyncGroupSpec
 
 if TYPE_CHECKING:
@@ -34,34 +36,42 @@ logger = logging.getLogger(__name__)
 STAGED_WAIT_S = 60.0
 
 
-class RayLink(GenerationLink):
+class RayLink:
     """The link of a ``RayGeneration`` whose engines are up: it opens the refit channels."""
 
-    _gen: RayGeneration
+    #: How many kept layouts each engine rank keeps (and the driver's mirror of them).
+    capacity = KEPT_LAYOUTS
 
     def __init__(self, generation: RayGeneration) -> None:
-        super().__init__(generation)
+        self._gen = generation
         self.group = generation.group
         #: Each engine rank's refit channel (none where the engines have none, or they do not
         #: connect), with the kept layouts each engine loaded over them.
-        self.channels = EngineChannels(self._open_channels())
-        #: Where a refit packs over CUDA IPC, when every worker reports its GPUs; and its refits
-        #: in place, where the backend has them.
+        self.channels = EngineChannels(self._open_channels(), self.capacity)
+        #: Where a refit packs into staging buffers (over CUDA IPC), when every worker reports
+        #: its GPUs; and its refits in place, where the backend has them.
         self._staging = (
             RefitStaging()
-            if generation.local_transport == "cuda_ipc" and all(i["devices"] for i in generation.engine_info)
+            if transport_named(generation.transport).stages
+            and all(i["devices"] for i in generation.engine_info)
             else None
         )
         self._in_place = (
             InPlaceSources() if self._staging is not None and generation.refits_in_place else None
         )
 
+    @property
+    def facts(self) -> EngineFacts:
+        """The engines' facts now (a replacement engine may run on other GPUs)."""
+        gen = self._gen
+        return EngineFacts(gen.transport, gen.engine_devices, gen.sync_device, gen.weight_sync_ranks, False)
+
     def _open_channels(self) -> list[list[channel.Channel]]:
         """A refit channel to every engine rank, where every engine has them and they connect;
         else none (buckets go through the actors)."""
         authkey = self._authkey = os.urandom(32)
         try:
-            addresses = self.group.call_all(EngineWorker.open_channels, authkey)
+            addresses = self.group.call_all(EngineWorker.open_channels, authkey, self.capacity)
         except WorkerError as exc:
             if exc.died:
                 raise
@@ -78,11 +88,11 @@ class RayLink(GenerationLink):
         """Over CUDA IPC, where every worker reports its GPUs: in place, as one bucket, where
         the source is the tensors of the last refit (``rollgen.refit.in_place``); else into the
         staging buffers, made (or replaced by larger ones) for the largest bucket first."""
-        staging, in_place = self._staging, self._in_place
+        staging, in_place, facts = self._staging, self._in_place, self.facts
         if staging is None:
-            return pack_with(self._gen.local_transport, groups, dtype, self.engine_devices)
+            return pack_with(facts, groups, dtype)
         named = [pair for group in groups for pair in group]
-        if in_place is not None and in_place.applies(named, dtype, self.engine_devices):
+        if in_place is not None and in_place.applies(named, dtype, facts.devices):
             pack = in_place.pack
             dp = self._gen.dp_size
             return Packing([named], lambda group, check: pack(group, dp, check), True, self._release_staging)
@@ -90,7 +100,7 @@ class RayLink(GenerationLink):
         def prepare() -> None:
             self._release_in_place()
             need = max(flat_sizes(groups, dtype), default=0)
-            devices = sorted(set(self.engine_devices))
+            devices = sorted(set(facts.devices))
             if not staging.fits(devices, need):
                 self._release_staging()
                 staging.allocate(devices, need)
@@ -173,7 +183,9 @@ class RayLink(GenerationLink):
             ref = worker.apply_bucket.remote("", pickle.dumps(bucket), bucket.transport, n == len(todo))
             self.group.get([ref], names=[name])
         if self.channels:
-            addresses = self.group.get([worker.open_channels.remote(self._authkey)], names=[name])[0]
+            addresses = self.group.get(
+                [worker.open_channels.remote(self._authkey, self.capacity)], names=[name]
+            )[0]
             opened = channel.connect([addresses], self._authkey, [name]) if addresses else []
             if opened:
                 self.channels.channels[engine] = opened[0]
