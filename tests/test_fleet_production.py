@@ -51,7 +51,7 @@ def serves_on_both(gen, batch: dict, index: int, restarts: int) -> torch.Tensor:
     each), which must agree."""
     status = gen.restore_replicas(timeout_s=START_S)[index]
     assert status.state == "healthy" and status.restarts == restarts, status
-    assert status.weight_version == gen.weight_version and gen.group.live == [0, 1]
+    assert status.weight_version == gen.weight_version and gen.engines.live == [0, 1]
     out = gen.generate({k: torch.cat([v, v]) for k, v in batch.items()}, greedy=True)["output_ids"]
     half = batch["input_ids"].shape[0]
     assert torch.equal(out[:half], out[half:])

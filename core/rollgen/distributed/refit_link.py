@@ -2,7 +2,9 @@
 where they connect, else through the actors; into the staging buffers or, for a colocated
 trainer's refit of the tensors it refitted last, read in place; and the one rule of what each
 engine is sent (its own pickle: shared-memory handles open once per receiver, and a kept
-layout's bucket carries that engine's own exports)."""
+layout's bucket carries that engine's own exports). It is handed the replicas
+(``rollgen.distributed.replicas``) and calls only down to them; it listens for a replica that
+leaves service (its channels close)."""
 
 from __future__ import annotations
 
@@ -10,22 +12,20 @@ import logging
 import os
 import pickle
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import ray
 import torch
 
+from rollgen.distributed.replicas import Replicas
 from rollgen.distributed.worker import EngineWorker
 from rollgen.errors import WorkerError
 from rollgen.refit import Named, WeightBucket, WeightSpec, channel
 from rollgen.refit.channel import EngineChannels
 from rollgen.refit.in_place import InPlaceSources
-from rollgen.refit.link import GenerationLink, Packing, pack_with
+from rollgen.refit.link import Packing, pack_with
+from rollgen.refit.meta import Transport
 from rollgen.refit.staging import RefitStaging, flat_sizes
 from rollgen.refit.weight_sync import SyncGroupSpec
-
-if TYPE_CHECKING:
-    from rollgen.distributed.generation import RayGeneration
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +34,24 @@ logger = logging.getLogger(__name__)
 STAGED_WAIT_S = 60.0
 
 
-class RayLink(GenerationLink):
-    """The link of a ``RayGeneration`` whose engines are up: it opens the refit channels."""
+class RayLink:
+    """The link to the engines of ``replicas`` (up): it opens their refit channels.
 
-    _gen: RayGeneration
+    Args:
+        replicas: the engines. name: the backend's, for messages.
+        transport: what ``refit()`` packs local sources with (``cuda_ipc`` on GPUs).
+        ranks_per_engine: the ranks each engine joins a weight-sync group with.
+        in_place: a colocated trainer's refit of the tensors it refitted last has the engines
+            read them in place (``rollgen.refit.in_place``), where the staging buffers serve."""
 
-    def __init__(self, generation: RayGeneration) -> None:
-        super().__init__(generation)
-        self.group = generation.group
+    #: The engines live in other processes (a weight-sync group's engine end joins there).
+    in_process = False
+
+    def __init__(
+        self, replicas: Replicas, name: str, transport: Transport, ranks_per_engine: int, in_place: bool
+    ) -> None:
+        self.replicas, self.group, self.name = replicas, replicas.group, name
+        self.transport, self.ranks_per_engine = transport, ranks_per_engine
         #: Each engine rank's refit channel (none where the engines have none, or they do not
         #: connect), with the kept layouts each engine loaded over them.
         self.channels = EngineChannels(self._open_channels())
@@ -49,29 +59,41 @@ class RayLink(GenerationLink):
         #: in place, where the backend has them.
         self._staging = (
             RefitStaging()
-            if generation.local_transport == "cuda_ipc" and all(i["devices"] for i in generation.engine_info)
+            if transport == "cuda_ipc" and all(r.info["devices"] for r in replicas.table)
             else None
         )
-        self._in_place = (
-            InPlaceSources() if self._staging is not None and generation.refits_in_place else None
-        )
+        self._in_place = InPlaceSources() if self._staging is not None and in_place else None
+        replicas.listen(self)
+
+    # ---- the engines' facts ---------------------------------------------------------------------
+    @property
+    def engine_devices(self) -> tuple[str, ...]:
+        return tuple(uuid for r in self.replicas.table for uuid in r.info["devices"])
+
+    @property
+    def sync_device(self) -> torch.device:
+        return torch.device("cuda" if self.transport == "cuda_ipc" else "cpu")
+
+    @property
+    def weight_sync_ranks(self) -> int:
+        return len(self.replicas) * self.ranks_per_engine
 
     def _open_channels(self) -> list[list[channel.Channel]]:
         """A refit channel to every engine rank, where every engine has them and they connect;
         else none (buckets go through the actors)."""
         authkey = self._authkey = os.urandom(32)
         try:
-            addresses = self.group.call_all(EngineWorker.open_channels, authkey)
+            addresses = self.replicas.call(EngineWorker.open_channels, authkey)
         except WorkerError as exc:
             if exc.died:
                 raise
             logger.warning(
                 "%s: refits go through the engines' actors: an engine opened no channel: %s",
-                self._gen.name,
+                self.name,
                 exc,
             )
             return []
-        return channel.connect(addresses, authkey, self.group.names) if all(addresses) else []
+        return channel.connect(addresses, authkey, self.replicas.names) if all(addresses) else []
 
     # ---- packing --------------------------------------------------------------------------------
     def packing(self, groups: list[Named], dtype: torch.dtype | None) -> Packing:
@@ -80,11 +102,11 @@ class RayLink(GenerationLink):
         staging buffers, made (or replaced by larger ones) for the largest bucket first."""
         staging, in_place = self._staging, self._in_place
         if staging is None:
-            return pack_with(self._gen.local_transport, groups, dtype, self.engine_devices)
+            return pack_with(self.transport, groups, dtype, self.engine_devices)
         named = [pair for group in groups for pair in group]
         if in_place is not None and in_place.applies(named, dtype, self.engine_devices):
             pack = in_place.pack
-            dp = self._gen.dp_size
+            dp = len(self.replicas)
             return Packing([named], lambda group, check: pack(group, dp, check), True, self._release_staging)
 
         def prepare() -> None:
@@ -106,7 +128,7 @@ class RayLink(GenerationLink):
         if bucket.layout and self._in_place is not None and self._in_place.holds(bucket):
             return self._in_place.pickled(engine)
         if bucket.layout and self._staging is not None:
-            return self._staging.pickled(bucket, self._gen.engine_info[engine]["devices"], engine)
+            return self._staging.pickled(bucket, self.replicas.info(engine)["devices"], engine)
         return pickle.dumps(bucket)
 
     # ---- applying -------------------------------------------------------------------------------
@@ -119,46 +141,49 @@ class RayLink(GenerationLink):
         # the prefix reset in the same call
         args = [
             (bucket.layout, self._pickled(bucket, i), bucket.transport, reset_prefix)
-            for i in range(self._gen.dp_size)
+            for i in range(len(self.replicas))
         ]
-        refs = self.group.submit(EngineWorker.apply_bucket, args)
+        refs, names = self.replicas.submit(EngineWorker.apply_bucket, args)
         try:
-            self.group.get(refs)
+            self.group.get(refs, names=names)
         finally:
             if bucket.layout:  # after a failure, the next refit writes what others may still read
                 ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
 
     def reset_prefix_cache(self) -> None:
-        self.group.call_all(EngineWorker.reset_prefix_cache)
+        self.replicas.call(EngineWorker.reset_prefix_cache)
 
     def clear_kv_cache(self) -> None:
-        self.group.call_all(EngineWorker.clear_kv_cache)
+        self.replicas.call(EngineWorker.clear_kv_cache)
 
     # ---- the weight-sync group ------------------------------------------------------------------
     def join_weight_sync(self, spec: SyncGroupSpec) -> Callable[[], None]:
-        """Every replica joins (``Fleet.sync_members``), one not in service too."""
-        fleet, ranks = self._gen.fleet, self._gen.ranks_per_engine
-        members = fleet.sync_members(spec.timeout_s)
-        args = [(spec, 1 + i * ranks) for i in range(self._gen.dp_size)]
+        """Every replica joins (``Replicas.sync_members``), one not in service too."""
+        replicas, ranks = self.replicas, self.ranks_per_engine
+        members = replicas.sync_members(spec.timeout_s)
+        args = [(spec, 1 + i * ranks) for i in range(len(replicas))]
         refs = self.group.submit(EngineWorker.join_weight_sync, args, list(members))
 
         def joined() -> None:
-            self.group.get(refs, names=[self.group.names[i] for i in members])
-            fleet.joined(members)
+            self.group.get(refs, names=[replicas.names[i] for i in members])
+            replicas.joined(members)
 
         return joined
 
     def receive_weights(self, spec: WeightSpec) -> Callable[[], bool]:
-        """Every member of the group receives (``Fleet.sync_submit``: a stale one too)."""
-        refs, names = self._gen.fleet.sync_submit(EngineWorker.receive_weights, [(spec,)] * self._gen.dp_size)
+        """Every member of the group receives (``Replicas.sync_submit``: a stale one too)."""
+        refs, names = self.replicas.sync_submit(EngineWorker.receive_weights, [(spec,)] * len(self.replicas))
         return lambda: self.group.get(refs, names=names)[0]
 
-    # ---- a replaced engine (rollgen.distributed.fleet) -------------------------------------------
-    def drop(self, engine: int) -> None:
-        """Engine ``engine`` is out of service: later updates skip it (its channels close)."""
+    # ---- replicas leaving and returning (``ReplicaListener``; ``rollgen.distributed.fleet``) ------
+    def replica_left(self, engine: int) -> None:
+        """Engine ``engine`` is out of service: its channels close (later updates skip it)."""
         if self.channels:
             channel.close([self.channels.channels[engine]])
             self.channels.channels[engine] = []
+
+    def replica_returned(self, engine: int) -> None:
+        """Nothing to do: ``adopt`` connected its channels before it returned."""
 
     def adopt(self, engine: int, buckets: Iterable[WeightBucket]) -> None:
         """Bring the new engine ``engine`` (still out of service) to the current weights: load
@@ -179,7 +204,7 @@ class RayLink(GenerationLink):
                 self.channels.channels[engine] = opened[0]
             else:  # an engine without channels: every update goes through the actors
                 logger.warning(
-                    "%s: %s opened no refit channel; refits go through the actors", self._gen.name, name
+                    "%s: %s opened no refit channel; refits go through the actors", self.name, name
                 )
                 self.channels.close()
 
@@ -211,8 +236,8 @@ class RayLink(GenerationLink):
             return
         self.channels.forget()  # the engines let go of what they unpacked too
         try:
-            refs = self.group.submit(EngineWorker.release_staged, [(keys,)] * self._gen.dp_size)
-            self.group.get(refs, timeout_s=STAGED_WAIT_S)
+            refs, names = self.replicas.submit(EngineWorker.release_staged, [(keys,)] * len(self.replicas))
+            self.group.get(refs, timeout_s=STAGED_WAIT_S, names=names)
         finally:
             release()
 
@@ -221,4 +246,4 @@ class RayLink(GenerationLink):
         self.channels.close()
 
     def survives(self, error: WorkerError) -> bool:
-        return error.died and self._gen.fleet.died_as(error)
+        return error.died and self.replicas.died_as(error)
