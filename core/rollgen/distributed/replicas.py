@@ -290,9 +290,10 @@ class Replicas:
     def started(self, timeout_s: float | None = 0.0) -> None:
         """Wait up to ``timeout_s`` (None: until they answer) for the replacements starting;
         each that started is ``stale`` (out of service, not yet at the current weights), each
-        whose start failed is ``dead`` (its listeners told). Then reclaim what dead engines
-        left that can be."""
+        whose start failed is ``dead`` (its listeners told). Once one started, what dead engines
+        left is reclaimed (their processes, killed before it started, waited for)."""
         with self.lock:
+            up = False
             starting = [r.ready for r in self.table if r.state == "starting"]
             if starting and timeout_s != 0.0:
                 ray.wait(starting, num_returns=len(starting), timeout=timeout_s)
@@ -306,7 +307,11 @@ class Replicas:
                     self._leave(index, f"the replacement failed to start: {exc}")
                     continue
                 self._move(index, "stale", "started; not yet at the current weights")
-            self.reclaim()
+                up = True
+            if up:
+                here = ray.get_runtime_context().get_node_id()
+                wait_for_exit([p for left in self._leftovers if left.node == here for p in left.pids])
+                self.reclaim()
 
     def serve(self, index: int, version: int) -> None:
         """Put replica ``index``, now at weight ``version``, in service (its listeners told)."""
