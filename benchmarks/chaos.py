@@ -180,13 +180,12 @@ def chaos(
     rows: list[dict[str, Any]] = []
     before = shm_files()  # other processes' (files of this machine, not the fleet's)
     with rollgen.create_generation(cfg) as gen:
-        fleet_own = shm_files() - before  # the live engines' own
         work = Workload.make(gen, cfg["model_name"])
         full_tok_s = full_throughput(gen, work)
         for n in range(kills):
             round_ = run_round(gen, work, n, rng, timed_kill)
             figures = recover(gen, work, round_)
-            figures["shm_left"] = len(shm_files() - before - fleet_own - live_own(gen))
+            figures["shm_left"] = len(shm_files() - before - live_own(gen))
             rows.append({k: v for k, v in round_.items() if k != "kill"} | figures)
             print_table(
                 rows[-1:], ["round", "mode", "victim", "detect_s", "restore_s", "degraded_tok_s", "shm_left"]
