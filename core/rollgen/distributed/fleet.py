@@ -21,13 +21,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from rollgen.distributed.replicas import Replicas
 from rollgen.errors import WorkerError
 from rollgen.refit.bucket import WeightBucket, grouped, pack_bucket
+from rollgen.refit.meta import Transport
+from rollgen.refit.transports import transport_named
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ class RetainedWeights:
             return f"the fleet kept weight version {self.version}, the generation is at {version}"
         return None
 
-    def buckets(self, transport: Literal["tensors", "shared_memory"]) -> list[WeightBucket]:
+    def buckets(self, transport: Transport) -> list[WeightBucket]:
         """The retained tensors packed for ``transport`` (none: the start-up weights are current)."""
         named = list(self.tensors.items())
         groups = grouped(named, CATCH_UP_BUCKET_BYTES, None)
@@ -90,16 +92,15 @@ class Fleet:
         replicas: Replicas,
         link: CatchUp,
         engine: Mapping[str, Any],
-        transport: str,
+        transport: Transport,
         version: Callable[[], int],
     ) -> None:
         #: ``version()``: the generation's current weight version.
         self.replicas, self.link, self.version = replicas, link, version
         self.replaces = engine["engine_failures"] == "replace"
         self.max_restarts, self.window_s = int(engine["max_restarts"]), float(engine["restart_window_s"])
-        self.transport: Literal["tensors", "shared_memory"] = (
-            "shared_memory" if transport == "shared_memory" else "tensors"
-        )
+        #: What a catch-up packs with: the engines' transport of host tensors.
+        self.transport = transport_named(transport).host
         self.weights = RetainedWeights()
         #: When each replica was replaced, within the restart window.
         self._restarted_at: list[deque[float]] = [deque() for _ in range(len(replicas))]
@@ -155,9 +156,11 @@ class Fleet:
         self.replicas.serve(index, version)
 
     # ---- updates --------------------------------------------------------------------------------
-    def updated(self, named: Iterable[tuple[str, torch.Tensor]] | None, partial: bool, version: int) -> None:
-        """An update completed as ``version``: the replicas in service hold it; ``named``: its
-        tensors, which a replacement will need (None: they came over a weight-sync group)."""
+    def updated(self, named: Iterable[tuple[str, torch.Tensor]] | None, partial: bool) -> None:
+        """An update completed (``WeightUpdates.on_update``): the replicas in service hold the
+        new version; ``named``: its tensors, which a replacement will need (None: they came over
+        a weight-sync group)."""
+        version = self.version()
         self.replicas.updated(version)
         if not self.replaces:
             return

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -28,8 +28,7 @@ from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from rollgen.distributed.worker import EngineWorker, WorkerSpec
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
 from rollgen.errors import ConfigError, WorkerError
-from rollgen.refit import WeightBucket, dtype_name
-from rollgen.refit.bucket import named_tensors
+from rollgen.refit import Transport, dtype_name
 from rollgen.rollout import ReplicaLoad, SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.wake import WAKE_TAGS
@@ -124,7 +123,6 @@ class RayGeneration(BaseGeneration):
     #: Tokens of the engine's context it will not take as prompt: rollgen's ``max_model_len``
     #: (validation, clamping) is that much shorter than the context length the engine gets.
     reserved_context: ClassVar[int] = 0
-    engines_in_process: ClassVar[bool] = False
     #: The ranks each engine joins a weight-sync group with (None: one per tensor-parallel rank).
     sync_ranks_per_engine: ClassVar[int | None] = None
     shutdown_wait_s: ClassVar[float | None] = SHUTDOWN_WAIT_S
@@ -137,7 +135,8 @@ class RayGeneration(BaseGeneration):
         self.use_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.plan = self.make_plan(self.use_gpus)
         self.max_model_len = self.plan.max_model_len
-        self.local_transport = "cuda_ipc" if self.use_gpus else "shared_memory"
+        #: How refits reach the engines (``RayLink.facts``).
+        self.transport: Transport = "cuda_ipc" if self.use_gpus else "shared_memory"
         self._own_cluster = cluster is None
         tp = self.plan.spec.tensor_parallel_size
         if cluster is None:
@@ -165,13 +164,16 @@ class RayGeneration(BaseGeneration):
             self.engines = engines = Replicas(group, self.name, engine["engine_failures"] == "replace")
             on_failure.callback(engines.shutdown, EngineWorker.shutdown, wait_s)
             ranks = self.sync_ranks_per_engine or tp
-            self._link = RayLink(engines, self.name, self.local_transport, ranks, self.refits_in_place)
+            sync_device = torch.device("cuda" if self.use_gpus else "cpu")
+            self._link = RayLink(engines, self.name, self.transport, sync_device, ranks, self.refits_in_place)
             on_failure.callback(self._link.close)
             self._dispatcher = SampleDispatcher(
                 engines, self._streams.deliver, self._worker_failed, self._streams.progress
             )
             on_failure.callback(self._dispatcher.close)
-            self.fleet = Fleet(engines, self._link, engine, self.local_transport, lambda: self.weight_version)
+            self.fleet = Fleet(engines, self._link, engine, self.transport, lambda: self.weight_version)
+            self.link_engine(self._link)
+            self.updates.on_update(self.fleet.updated)  # the fleet keeps what a replacement needs
             group.call_timeout_s = engine["call_timeout_s"]
             on_failure.pop_all()
         logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, engines.info(0))
@@ -245,56 +247,11 @@ class RayGeneration(BaseGeneration):
         if not (error.died and self.engines.died_as(error)):  # with "replace", a death others survive
             super()._worker_failed(error)
 
-    def _run_update(
-        self,
-        apply: Callable[[], None],
-        *,
-        buckets: list[WeightBucket] | None = None,
-        source: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
-        dtype: torch.dtype | None = None,
-        partial: bool = False,
-    ) -> None:
-        """Run the update (a replica's death during it: on the survivors once more, see
-        ``WeightUpdates``); then the replicas in service hold the new version, and (with
-        "replace") the fleet keeps its tensors for a replacement."""
-        replaces = self.fleet.replaces
-        if replaces:
-            for b in buckets or ():
-                b.resolve()  # mapped here before they are sent, to be read after
-        apply()
-        named: Iterable[tuple[str, torch.Tensor]] | None
-        if buckets is not None:
-            named = (pair for b in buckets for pair in b.unpack()) if replaces else ()
-        elif source is not None:
-            named = ((n, t if dtype is None else t.to(dtype)) for n, t in named_tensors(source))
-        else:
-            named = None  # over the weight-sync group
-        self.fleet.updated(named, partial, self.weight_version)
-
     def _stream_abort(self, keys: list[str]) -> None:
         self._dispatcher.abort(keys)
 
     def replica_load(self) -> list[ReplicaLoad]:
         return self._dispatcher.load()
-
-    def _apply_bucket(self, bucket: WeightBucket) -> None:
-        self._link.apply_bucket(bucket, reset_prefix=False)
-
-    def _refit_link(self) -> RayLink:
-        return self._link
-
-    # the engines' facts are the link's
-    @property
-    def engine_devices(self) -> tuple[str, ...]:
-        return self._link.engine_devices
-
-    @property
-    def weight_sync_ranks(self) -> int:
-        return self._link.weight_sync_ranks
-
-    @property
-    def sync_device(self) -> torch.device:
-        return self._link.sync_device
 
     def _sleep(self) -> None:
         self.engines.call(EngineWorker.sleep)
@@ -304,11 +261,11 @@ class RayGeneration(BaseGeneration):
 
     def _shutdown(self) -> None:
         try:
-            self._link.release()
+            self.updates.release()
         except WorkerError as exc:  # a dead or hung worker: what it mapped goes with its process
             logger.warning("%s: the engines could not release the refit buffers: %s", self.name, exc)
         finally:
-            self._link.close()
+            self.updates.close()
             self._dispatcher.close()
             self.engines.shutdown(EngineWorker.shutdown, self.shutdown_wait_s or SHUTDOWN_WAIT_S)
             self._free_cluster()

@@ -22,9 +22,11 @@ from rollgen.errors import WorkerError
 from rollgen.refit import Named, WeightBucket, WeightSpec, channel
 from rollgen.refit.channel import EngineChannels
 from rollgen.refit.in_place import InPlaceSources
-from rollgen.refit.link import Packing, pack_with
+from rollgen.refit.layouts import KEPT_LAYOUTS
+from rollgen.refit.link import EngineFacts, Packing, pack_with
 from rollgen.refit.meta import Transport
 from rollgen.refit.staging import RefitStaging, flat_sizes
+from rollgen.refit.transports import transport_named
 from rollgen.refit.weight_sync import SyncGroupSpec
 
 logger = logging.getLogger(__name__)
@@ -40,50 +42,51 @@ class RayLink:
     Args:
         replicas: the engines. name: the backend's, for messages.
         transport: what ``refit()`` packs local sources with (``cuda_ipc`` on GPUs).
+        sync_device: where the engines receive a weight-sync group's broadcasts.
         ranks_per_engine: the ranks each engine joins a weight-sync group with.
         in_place: a colocated trainer's refit of the tensors it refitted last has the engines
             read them in place (``rollgen.refit.in_place``), where the staging buffers serve."""
 
-    #: The engines live in other processes (a weight-sync group's engine end joins there).
-    in_process = False
+    #: How many kept layouts each engine rank keeps (and the driver's mirror of them).
+    capacity = KEPT_LAYOUTS
 
     def __init__(
-        self, replicas: Replicas, name: str, transport: Transport, ranks_per_engine: int, in_place: bool
+        self,
+        replicas: Replicas,
+        name: str,
+        transport: Transport,
+        sync_device: torch.device,
+        ranks_per_engine: int,
+        in_place: bool,
     ) -> None:
         self.replicas, self.group, self.name = replicas, replicas.group, name
-        self.transport, self.ranks_per_engine = transport, ranks_per_engine
+        self.transport, self.sync_device, self.ranks_per_engine = transport, sync_device, ranks_per_engine
         #: Each engine rank's refit channel (none where the engines have none, or they do not
         #: connect), with the kept layouts each engine loaded over them.
-        self.channels = EngineChannels(self._open_channels())
-        #: Where a refit packs over CUDA IPC, when every worker reports its GPUs; and its refits
-        #: in place, where the backend has them.
+        self.channels = EngineChannels(self._open_channels(), self.capacity)
+        #: Where a refit packs into staging buffers (over CUDA IPC), when every worker reports
+        #: its GPUs; and its refits in place, where the backend has them.
         self._staging = (
             RefitStaging()
-            if transport == "cuda_ipc" and all(r.info["devices"] for r in replicas.table)
+            if transport_named(transport).stages and all(r.info["devices"] for r in replicas.table)
             else None
         )
         self._in_place = InPlaceSources() if self._staging is not None and in_place else None
         replicas.listen(self)
 
-    # ---- the engines' facts ---------------------------------------------------------------------
     @property
-    def engine_devices(self) -> tuple[str, ...]:
-        return tuple(uuid for r in self.replicas.table for uuid in r.info["devices"])
-
-    @property
-    def sync_device(self) -> torch.device:
-        return torch.device("cuda" if self.transport == "cuda_ipc" else "cpu")
-
-    @property
-    def weight_sync_ranks(self) -> int:
-        return len(self.replicas) * self.ranks_per_engine
+    def facts(self) -> EngineFacts:
+        """The engines' facts now (a replacement engine may run on other GPUs)."""
+        devices = tuple(uuid for r in self.replicas.table for uuid in r.info["devices"])
+        sync_ranks = len(self.replicas) * self.ranks_per_engine
+        return EngineFacts(self.transport, devices, self.sync_device, sync_ranks, in_process=False)
 
     def _open_channels(self) -> list[list[channel.Channel]]:
         """A refit channel to every engine rank, where every engine has them and they connect;
         else none (buckets go through the actors)."""
         authkey = self._authkey = os.urandom(32)
         try:
-            addresses = self.replicas.call(EngineWorker.open_channels, authkey)
+            addresses = self.replicas.call(EngineWorker.open_channels, authkey, self.capacity)
         except WorkerError as exc:
             if exc.died:
                 raise
@@ -100,11 +103,11 @@ class RayLink:
         """Over CUDA IPC, where every worker reports its GPUs: in place, as one bucket, where
         the source is the tensors of the last refit (``rollgen.refit.in_place``); else into the
         staging buffers, made (or replaced by larger ones) for the largest bucket first."""
-        staging, in_place = self._staging, self._in_place
+        staging, in_place, facts = self._staging, self._in_place, self.facts
         if staging is None:
-            return pack_with(self.transport, groups, dtype, self.engine_devices)
+            return pack_with(facts, groups, dtype)
         named = [pair for group in groups for pair in group]
-        if in_place is not None and in_place.applies(named, dtype, self.engine_devices):
+        if in_place is not None and in_place.applies(named, dtype, facts.devices):
             pack = in_place.pack
             dp = len(self.replicas)
             return Packing([named], lambda group, check: pack(group, dp, check), True, self._release_staging)
@@ -112,7 +115,7 @@ class RayLink:
         def prepare() -> None:
             self._release_in_place()
             need = max(flat_sizes(groups, dtype), default=0)
-            devices = sorted(set(self.engine_devices))
+            devices = sorted(set(facts.devices))
             if not staging.fits(devices, need):
                 self._release_staging()
                 staging.allocate(devices, need)
@@ -198,7 +201,9 @@ class RayLink:
             ref = worker.apply_bucket.remote("", pickle.dumps(bucket), bucket.transport, n == len(todo))
             self.group.get([ref], names=[name])
         if self.channels:
-            addresses = self.group.get([worker.open_channels.remote(self._authkey)], names=[name])[0]
+            addresses = self.group.get(
+                [worker.open_channels.remote(self._authkey, self.capacity)], names=[name]
+            )[0]
             opened = channel.connect([addresses], self._authkey, [name]) if addresses else []
             if opened:
                 self.channels.channels[engine] = opened[0]

@@ -180,18 +180,19 @@ class EngineWorker(ABC):
         """Load one pickled, validated ``WeightBucket`` of ``transport`` (one pickle per worker:
         shared-memory handles open once per receiver, and a kept layout's bucket carries this
         worker's own exports; ``layout``: its layout, which the worker may keep,
-        ``refit.unpack_request``); ``reset_prefix``: then drop every cached prefix (an update's
+        ``refit.Receiver``); ``reset_prefix``: then drop every cached prefix (an update's
         last bucket: one round trip for both)."""
         self._load_request(layout, data, transport)
         if reset_prefix:
             self._reset_prefix_cache()
 
-    def open_channels(self, authkey: bytes) -> list[str]:
+    def open_channels(self, authkey: bytes, capacity: int) -> list[str]:
         """The address of a refit channel to each of this engine's ranks, which loads what
         ``apply_bucket`` loads without the Ray call and the engine's RPC, and a kept layout by
-        name alone (``rollgen.refit.channel``; ``authkey`` authenticates the driver); empty
-        where the engine has none."""
-        return self._open_channels(authkey)
+        name alone, ``capacity`` of them (``rollgen.refit.channel``; ``authkey`` authenticates
+        the driver, whose mirror of the kept layouts has that capacity); empty where the engine
+        has none."""
+        return self._open_channels(authkey, capacity)
 
     def release_staged(self, keys: list[str]) -> None:
         """Unmap the trainer's staging buffers ``keys`` (it frees them once every worker has)."""
@@ -287,8 +288,9 @@ class EngineWorker(ABC):
         engines whose ranks can take the pickle as it is pass it on (and may keep the layout)."""
         self._load_bucket(pickle.loads(data).resolve())
 
-    def _open_channels(self, authkey: bytes) -> list[str]:
-        """Open a refit channel to each rank (``open_channels``); none here."""
+    def _open_channels(self, authkey: bytes, capacity: int) -> list[str]:
+        """Open a refit channel to each rank, each keeping ``capacity`` layouts
+        (``rollgen.refit.receiver.Receiver``; ``open_channels``); none here."""
         return []
 
     def _release_staged(self, keys: list[str]) -> None:
