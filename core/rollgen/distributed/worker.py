@@ -21,7 +21,7 @@ import torch
 from rollgen.data import BatchedDataDict, unpad
 from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.output import assemble_from_lists
-from rollgen.processes import descendants, running
+from rollgen.processes import descendants, running, shared_memory
 from rollgen.refit import WeightBucket, WeightSpec, release_staged
 from rollgen.refit.weight_sync import SyncGroupSpec
 from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
@@ -114,6 +114,7 @@ class EngineWorker(ABC):
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
+        self._started_at = time.time()
         self._stopped = False
         #: The samples that ended, and the new tokens of those that stream them, not polled yet
         #: (``poll`` waits on it).
@@ -152,11 +153,17 @@ class EngineWorker(ABC):
 
     # ---- the protocol (what the driver calls) ---------------------------------------------------
     def ready(self) -> dict[str, Any]:
-        """What the engine reports of itself once started (versions, ...), and where this
-        worker's process runs (``node``, ``pid``)."""
+        """What the engine reports of itself once started (versions, ...), where this worker's
+        process runs (``node``, ``pid``), the engine's processes (``pids``: this one and those
+        below it) and the shared memory they made and hold (``shared_memory``: name -> inode,
+        what a process killed leaves in ``/dev/shm``, which the driver reclaims once they are
+        gone: ``rollgen.distributed.replicas``)."""
+        pids = [os.getpid(), *descendants(os.getpid())]
         return {
             "node": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
+            "pids": pids,
+            "shared_memory": shared_memory(pids, self._started_at),
             "devices": self._devices() if self.spec.use_gpus else [],
             "capacity": self._capacity(),
             **self._describe(),
