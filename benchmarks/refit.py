@@ -206,7 +206,7 @@ def breakdown(gen: Any, states: list[dict[str, torch.Tensor]], repeats: int, pat
         workers.append(rank0["left"] - rank0["entered"])
         backs.append(end - rank0["left"])
     plan = gen.collective_rpc("bench_kept_plan")[0][0]
-    actor = gen.group.workers[0]
+    actor = gen.engines.group.workers[0]
     rays = [timed(lambda: ray.get(actor.__ray_ready__.remote())) for _ in range(repeats + 1)][1:]
     rpcs = [timed(partial(gen.collective_rpc, "bench_last_load")) for _ in range(repeats)]
     channels = gen.updates.link.channels.channels

@@ -40,7 +40,8 @@ def rss_bytes(pid: int) -> int:
 
 def worker_pids(gen: Any) -> list[int]:
     """The engine workers' processes (Ray-actor backends), none for in-process engines."""
-    return [info["pid"] for info in getattr(gen, "engine_info", [])]
+    engines = getattr(gen, "engines", None)
+    return [r.info["pid"] for r in engines.table] if engines is not None else []
 
 
 def soak(gen: Any, batch: dict[str, torch.Tensor], weights: Any, cycles: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """A stand-in attacker for the weight-sync tests: a process that reaches a group's store but
 holds no secret. ``python tests/rogue_rank.py ADDRESS PORT WORLD_SIZE RANK MARKER`` joins the
-group's process group as RANK (first: it writes ``rogue-ready`` to the store just before), plays
+group as RANK (first: it writes that it came, then ``rogue-ready`` to the store just before), plays
 the members' authentication with a made-up secret, then tries what earlier versions of rollgen
 fell to: a pickle, broadcast as a manifest (rank 0) or as an error (any other rank), whose
 unpickling would create the file MARKER. It exits when the group turns it away (its collectives
@@ -30,6 +30,7 @@ class Payload:
 def main(address: str, port: int, world_size: int, rank: int, marker: str) -> None:
     timeout = timedelta(seconds=20)
     store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False)
+    store.set(f"rollgen-weight-sync/joined/{rank}", "1")  # says it came, as a member does
     store.set("rogue-ready", "1")
     pg = dist.ProcessGroupGloo(dist.PrefixStore("rollgen-weight-sync", store), rank, world_size, timeout)
     # the members' authentication, with a made-up tag

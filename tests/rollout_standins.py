@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from rollgen import Backend, BaseGeneration, BatchedDataDict, Capability, GenerationConfig, WeightBucket
+from rollgen import Backend, BaseGeneration, BatchedDataDict, Capability, GenerationConfig
 from rollgen.data import right_pad
 from rollgen.output import assemble_from_lists, stop_reason
+from rollgen.refit import EngineFacts, InProcessLink, Named
 from rollgen.rollout import (
     FinishedSample,
     Rollout,
@@ -217,15 +218,15 @@ def by_prompt(requests: Sequence[SampleRequest]) -> dict[tuple[int, ...], Sample
 # ---- BaseGeneration over the book ---------------------------------------------------------------
 class PlainGeneration(BaseGeneration):
     """A stand-in engine, not a backend: ``BaseGeneration`` on the tiny model's config without
-    streaming hooks of its own; ``_generate`` answers every sample with one EOS token and
-    ``_apply_bucket`` counts buckets (or raises, when ``fail_apply`` is set)."""
-
-    local_transport = "tensors"
+    streaming hooks of its own; ``_generate`` answers every sample with one EOS token; its
+    linked engine's load counts buckets (or raises, when ``fail_apply`` is set), and its KV-cache
+    clear calls ``_clear_kv_cache``."""
 
     def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
         super().__init__(config, cluster=cluster, backend=backend)
         self.applied = 0
         self.fail_apply = False
+        self.link_engine(InProcessLink(EngineFacts(), self._load, clear_kv=lambda: self._clear_kv_cache()))
 
     def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
         eos = self.model_info.eos_token_ids[0]
@@ -237,10 +238,13 @@ class PlainGeneration(BaseGeneration):
             self.cfg["pad_token_id"],
         )
 
-    def _apply_bucket(self, bucket: WeightBucket) -> None:
+    def _load(self, named: Named) -> None:
         if self.fail_apply:
             raise RuntimeError("the engine lost a bucket")
         self.applied += 1
+
+    def _clear_kv_cache(self) -> None:
+        """Nothing cached here."""
 
 
 class StandInGeneration(PlainGeneration):

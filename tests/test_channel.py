@@ -144,7 +144,7 @@ def test_channels_open_to_every_rank_or_to_none() -> None:
 
 class Rank:
     """A stand-in engine rank for the driver's side: it keeps what it unpacked by layout, as
-    ``refit.unpack_request`` does, in a table of its own, and can be told to fail."""
+    ``refit.Receiver`` does, in a table of its own, and can be told to fail."""
 
     def __init__(self) -> None:
         self.kept: dict[str, Any] = {}

@@ -117,18 +117,41 @@ def test_workers_that_may_share_a_gpu_start_one_at_a_time() -> None:
         ray.shutdown()
 
 
-def test_uneven_shards_merge_in_order(probes) -> None:
-    data = BatchedDataDict({"x": torch.arange(5).unsqueeze(1), "tag": list("abcde")})
-    out = BatchedDataDict.from_batches(
-        probes.call_sharded(ProbeWorker.echo, data.shard_by_batch_size(2, allow_uneven_shards=True))
+def _batch(n: int) -> tuple[BatchedDataDict, list]:
+    from rollgen.sampling import SampleParams
+
+    batch = BatchedDataDict(
+        {"input_ids": torch.arange(n).unsqueeze(1), "input_lengths": torch.ones(n, dtype=torch.long)}
     )
-    assert out["x"].flatten().tolist() == [0, 1, 2, 3, 4] and out["tag"] == list("abcde")
-    one = BatchedDataDict.from_batches(
-        probes.call_sharded(
-            ProbeWorker.echo, data.slice(0, 1).shard_by_batch_size(2, allow_uneven_shards=True)
-        )
-    )
-    assert one["tag"] == ["a"], "empty shards are not sent"
+    return batch, [SampleParams(1.0, 1.0, -1, 4, (), (), i) for i in range(n)]
+
+
+def test_uneven_shards_merge_in_order_and_a_dead_replicas_shard_runs_again(probes) -> None:
+    """``Replicas.shard``: uneven shards in order, empty ones not sent; with ``replaces``, the
+    shard of a replica that died runs again on the survivor, which the table alone records as
+    out of service."""
+    from rollgen.distributed.replicas import Replicas
+
+    replicas = Replicas(probes, "probes", replaces=True)
+    out = replicas.shard(*_batch(5))
+    assert [o.flatten().tolist() for o in out] == [[0, 1, 2], [3, 4]]
+    assert len(replicas.shard(*_batch(1))) == 1, "empty shards are not sent"
+    ray.kill(probes.workers[1], no_restart=True)
+    out = replicas.shard(*_batch(5))
+    assert torch.cat(out).flatten().tolist() == [0, 1, 2, 3, 4]
+    assert replicas.live == [0] and replicas.table[1].state == "dead"
+    assert "rollgen-dp1" in (replicas.table[1].last_error or "")
+    assert [o.flatten().tolist() for o in replicas.shard(*_batch(2))] == [[0, 1]], "on the survivor alone"
+
+
+def test_without_replacement_a_death_in_a_shard_is_raised(probes) -> None:
+    from rollgen.distributed.replicas import Replicas
+
+    replicas = Replicas(probes, "probes", replaces=False)
+    ray.kill(probes.workers[0], no_restart=True)
+    with pytest.raises(WorkerError, match="rollgen-dp0.*died") as info:
+        replicas.shard(*_batch(4))
+    assert info.value.died and replicas.table[0].state == "dead"
 
 
 def test_the_first_failure_surfaces_while_other_workers_still_run(probes) -> None:
@@ -257,7 +280,7 @@ class _Calls:
 
 class _StandInGroup:
     """A stand-in worker group of two engines whose calls are only recorded (for the
-    dispatcher's bookkeeping, without Ray)."""
+    dispatcher's bookkeeping, without Ray); each started with room for one sample."""
 
     def __init__(self) -> None:
         self.log: list[tuple[str, int, Any]] = []
@@ -267,19 +290,25 @@ class _StandInGroup:
             for i in range(2)
         ]
 
+    def call_all(self, method: Any) -> list[dict[str, Any]]:
+        assert method.__name__ == "ready"
+        return [{"node": "here", "pid": 0, "devices": [], "capacity": 1}] * 2
+
 
 def test_a_streaming_sample_of_a_dead_engine_continues_from_the_tokens_it_streamed() -> None:
     """The dispatcher hands on a streaming sample's tokens as its engine makes them; when the
     engine dies, the sample restarts elsewhere from its prompt and those tokens (its budget
     less them), and its end is reported with them first: nothing handed on is taken back."""
     from rollgen.distributed.dispatch import SampleDispatcher
+    from rollgen.distributed.replicas import Replicas
     from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
     from rollgen.sampling import SampleParams
 
     group = _StandInGroup()
+    replicas = Replicas(group, "stand-in", replaces=True)  # type: ignore[arg-type]
     ended: list[FinishedSample] = []
     shown: list[SampleProgress] = []
-    dispatcher = SampleDispatcher(group, [1, 1], ended.extend, lambda e: None, progress=shown.extend)  # type: ignore[arg-type]
+    dispatcher = SampleDispatcher(replicas, ended.extend, lambda e: None, progress=shown.extend)
     params = SampleParams(1.0, 1.0, -1, 10, (), (2,), 7)
     streaming = SampleRequest("0:0:0", (5, 6), params, replica=0, stream_tokens=True)
     plain = SampleRequest("0:1:0", (5, 6), params, replica=0)
@@ -289,7 +318,7 @@ def test_a_streaming_sample_of_a_dead_engine_continues_from_the_tokens_it_stream
     assert [(e, [r.key for r in args[0]]) for name, e, args in group.log] == [(0, ["0:0:0"]), (1, ["0:1:0"])]
     dispatcher._moved(0, [SampleProgress("0:0:0", (30, 31), (-0.1, -0.2))])
     assert shown == [SampleProgress("0:0:0", (30, 31), (-0.1, -0.2))]
-    dispatcher.take_out(0)  # engine 0 died: its sample waits for engine 1's room
+    replicas.take_out(0, "engine 0 died")  # its sample waits for engine 1's room
     dispatcher._ended(1, [FinishedSample("0:1:0", (40, 2), (-0.3, -0.4), replica=1)])
     (name, engine, (requests,)) = group.log[-1]
     (again,) = requests

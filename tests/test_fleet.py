@@ -43,7 +43,7 @@ def restored(gen, index: int, restarts: int) -> None:
     status = gen.restore_replicas(timeout_s=START_S)[index]
     assert status.state == "healthy", status
     assert status.restarts == restarts and status.weight_version == gen.weight_version, status
-    assert gen.usable and gen.group.live == [0, 1]
+    assert gen.usable and gen.engines.live == [0, 1]
 
 
 def test_a_replica_killed_before_generate_is_re_run_on_the_survivor_and_replaced(fleet, batch: dict) -> None:
@@ -216,11 +216,11 @@ def test_a_replica_past_its_restart_limit_stays_out_and_losing_all_ends_the_gene
     clean = fleet.generate(batch, greedy=True)
     fleet.fleet.max_restarts = fleet.replicas[0].restarts
     kill_replica(fleet, 0)
-    with caplog.at_level("INFO", logger="rollgen.distributed.fleet"):
+    with caplog.at_level("INFO", logger="rollgen.distributed.replicas"):
         assert torch.equal(fleet.generate(batch, greedy=True)["output_ids"], clean["output_ids"])
     status = fleet.restore_replicas(timeout_s=0)[0]
     assert status.state == "dead" and "stays out" in status.last_error, status
-    assert fleet.group.live == [1] and fleet.usable
+    assert fleet.engines.live == [1] and fleet.usable
     assert any("rollgen-vllm-dp0 healthy -> dead" in r.getMessage() for r in caplog.records)
     kill_replica(fleet, 1)
     with pytest.raises(rollgen.WorkerError, match="rollgen-vllm-dp1") as info:

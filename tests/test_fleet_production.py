@@ -51,7 +51,7 @@ def serves_on_both(gen, batch: dict, index: int, restarts: int) -> torch.Tensor:
     each), which must agree."""
     status = gen.restore_replicas(timeout_s=START_S)[index]
     assert status.state == "healthy" and status.restarts == restarts, status
-    assert status.weight_version == gen.weight_version and gen.group.live == [0, 1]
+    assert status.weight_version == gen.weight_version and gen.engines.live == [0, 1]
     out = gen.generate({k: torch.cat([v, v]) for k, v in batch.items()}, greedy=True)["output_ids"]
     half = batch["input_ids"].shape[0]
     assert torch.equal(out[:half], out[half:])
@@ -89,3 +89,27 @@ def test_a_replica_killed_while_it_loads_a_refit_leaves_no_mixed_weights(
     assert fleet.replicas[0].state in ("starting", "stale") and fleet.replicas[1].state == "healthy"
     assert torch.equal(fleet.generate(batch, greedy=True)["output_ids"], clean["start"])
     assert torch.equal(serves_on_both(fleet, batch, 0, restarts=1), clean["start"])
+
+
+def test_an_engine_core_killed_in_its_own_process_leaves_no_shared_memory(fleet, batch: dict) -> None:
+    """vLLM's engine core of replica 1 SIGKILLed (a real fault): its actor exits, the replica is
+    replaced, and the shared memory its engine's processes made (vLLM's message queues and
+    locks in ``/dev/shm``, which nothing else unlinks once they are killed) is gone once the
+    replacement started; the replacement's own stays while it serves."""
+    from rollgen.processes import SHM_DIR, descendants, wait_for_exit
+    from rollgen.testing.faults import kill_process
+
+    served = fleet.generate(batch, greedy=True)["output_ids"]
+    info, restarts = fleet.engines.info(1), fleet.replicas[1].restarts
+    segments = info["shared_memory"]
+    assert segments and all((SHM_DIR / name).exists() for name in segments), segments
+    engine_core = [p for p, cmd in descendants(info["pid"]).items() if cmd.startswith("VLLM::EngineCore")]
+    assert len(engine_core) == 1, descendants(info["pid"])
+    kill_process(engine_core[0])
+    wait_for_exit([info["pid"]])  # the actor's watcher ends it (EngineWorker._watch)
+    assert torch.equal(fleet.generate(batch, greedy=True)["output_ids"], served)
+    assert torch.equal(serves_on_both(fleet, batch, 1, restarts=restarts + 1), served)
+    left = sorted(name for name in segments if (SHM_DIR / name).exists())
+    assert not left and not fleet.engines.leftovers, f"left in {SHM_DIR}: {left}"
+    replacement = fleet.engines.info(1)["shared_memory"]
+    assert replacement and all((SHM_DIR / name).exists() for name in replacement)

@@ -202,7 +202,7 @@ def test_one_trainer_process_refits_dp2_on_two_gpus_every_step(hf_config: dict, 
     """The trainer's model on GPU 0, vLLM DP=2 on GPUs 0 and 1: each refit packs one bucket
     buffer on GPU 0, copies it to GPU 1 and sends each replica the handle for its GPU."""
     with rollgen.create_generation(config(hf_config, data_parallel_size=2)) as gen:
-        assert len(set(gen.engine_devices)) == 2
+        assert len(set(gen.updates.facts.devices)) == 2
         trainer = load_reference_model(tiny_model_dir(), torch.bfloat16).cuda(0)
         g = torch.Generator(device="cuda:0").manual_seed(0)
         for step in range(4):
@@ -263,7 +263,7 @@ def test_nccl_refit_from_a_trainer_on_another_gpu(hf_config: dict, batch: dict) 
 
     with rollgen.create_generation(config(hf_config)) as gen:
         base = gen.generate(batch, greedy=True)
-        (engine_gpu,) = gen.engine_devices
+        (engine_gpu,) = gen.updates.facts.devices
         mine = next(i for i in range(torch.cuda.device_count()) if device_uuid(i) != engine_gpu)
         torch.cuda.set_device(mine)
         spec = gen.weight_sync_spec("127.0.0.1", timeout_s=120)

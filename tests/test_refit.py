@@ -14,7 +14,8 @@ from rollgen.refit import (
     DEFAULT_BUCKET_BYTES,
     FLAT_ALIGN,
     GPU_BUCKET_BYTES,
-    KEPT_UNPACKED,
+    KEPT_LAYOUTS,
+    Receiver,
     TensorMeta,
     WeightBucket,
     WeightSpec,
@@ -32,7 +33,6 @@ from rollgen.refit import (
     pack_bucket,
     release_staged,
     unflatten,
-    unpack_request,
 )
 from rollgen.testing.faults import Unreadable
 from rollgen.testing.links import RecordingLink
@@ -211,29 +211,32 @@ def test_default_bucket_size_is_a_quarter_of_the_gpus_free_memory_within_bounds(
     assert [len(b.metas) for b in iter_buckets(sd, "tensors")] == [3]
 
 
-def test_refit_resets_the_prefix_cache_only_after_a_generate(hf_config: dict, monkeypatch) -> None:
+def test_refit_resets_the_prefix_cache_only_after_a_generate(hf_config: dict) -> None:
     """Prefixes are cached only by generate calls, and a sleep resets them; a refit's reset (an
     engine round trip, O(KV blocks) in vLLM) is due only when a generate ran since the last one."""
     batch = {"input_ids": torch.tensor([[5, 6, 7, 8]]), "input_lengths": torch.tensor([4])}
     with rollgen.create_generation(hf_config) as engine:
-        resets = []
-        monkeypatch.setattr(engine, "_reset_prefix_cache", lambda: resets.append(1))
+        link = engine.updates.link = RecordingLink(engine.updates.link)
+
+        def resets() -> list[int]:  # a reset on its own, or with the last bucket
+            return [1 for c in link.calls if c == ("reset",) or (c[0] == "apply" and c[2])]
+
         weights = {n: torch.zeros(s, dtype=getattr(torch, d)) for n, (s, d) in engine.weight_spec.items()}
         engine.refit(weights)
-        assert resets == []
+        assert resets() == []
         engine.generate(batch)
         engine.refit(weights)
         engine.update_weights(iter_buckets(weights, "tensors"))
-        assert resets == [1]
+        assert resets() == [1]
         engine.generate(batch)
         engine.update_weights(iter_buckets(weights, "tensors"))
-        assert resets == [1, 1]
+        assert resets() == [1, 1]
         engine.generate(batch)
         engine.finish_generation()  # the colocated loop: the sleep resets the cache itself
         engine.prepare_for_generation(["weights"])
         engine.refit(weights)
         engine.prepare_for_generation(["kv_cache"])
-        assert resets == [1, 1]
+        assert resets() == [1, 1]
 
 
 def test_a_refit_that_fails_part_way_marks_the_generation_stale(hf_config: dict) -> None:
@@ -310,31 +313,32 @@ def test_the_prefix_reset_comes_with_the_last_bucket(hf_config: dict) -> None:
 
 
 def test_a_kept_layouts_unpacked_tensors_are_held_until_released() -> None:
-    """A receiver keeps what it unpacked of a kept layout's bucket (views of a mapping it keeps)
-    under the layout's name: later requests of the layout, by name alone or with the pickle
-    again, get the same tensors; a name it does not hold asks for the pickle (None); it lets
-    go on ``release_staged``, and keeps the ``KEPT_UNPACKED`` used last. Other buckets are
+    """A rank's receiver keeps what it unpacked of a kept layout's bucket (views of a mapping it
+    keeps) under the layout's name: later requests of the layout, by name alone or with the
+    pickle again, get the same tensors; a name it does not hold asks for the pickle (None); it
+    lets go on ``release``, and keeps the ``capacity`` layouts used last. Other buckets are
     unpacked anew each time."""
     tensors = [torch.arange(4.0), torch.ones(2, 2)]
     metas = tuple(TensorMeta.of(n, t) for n, t in zip("ab", tensors))
     staged = pickle.dumps(WeightBucket("tensors", metas, tensors, layout="L"))
     plain = pickle.dumps(WeightBucket("tensors", metas, tensors))
-    assert unpack_request("L", None) is None
-    first, kept = unpack_request("L", staged)
-    again, kept_again = unpack_request("L", None)
+    receiver = Receiver(capacity=3)
+    assert receiver.unpack("L", None) is None
+    first, kept = receiver.unpack("L", staged)
+    again, kept_again = receiver.unpack("L", None)
     assert kept and kept_again and again is first and [n for n, _ in first] == ["a", "b"]
-    assert unpack_request("L", staged) == (first, True)
-    other, not_kept = unpack_request("", plain)
-    assert not not_kept and unpack_request("", plain)[0] is not other
-    release_staged([])
-    assert unpack_request("L", None) is None
-    assert unpack_request("L", staged)[0] is not first
-    for i in range(KEPT_UNPACKED):  # L, used after each of these, stays; the first of them goes
+    assert receiver.unpack("L", staged) == (first, True)
+    other, not_kept = receiver.unpack("", plain)
+    assert not not_kept and receiver.unpack("", plain)[0] is not other
+    receiver.release([])
+    assert receiver.unpack("L", None) is None
+    assert receiver.unpack("L", staged)[0] is not first
+    for i in range(3):  # L, used after each of these, stays; the first of them goes
         layout = f"L{i}"
-        unpack_request(layout, pickle.dumps(WeightBucket("tensors", metas, tensors, layout=layout)))
-        unpack_request("L", None)
-    assert unpack_request("L0", None) is None and unpack_request("L", None) is not None
-    release_staged([])
+        receiver.unpack(layout, pickle.dumps(WeightBucket("tensors", metas, tensors, layout=layout)))
+        receiver.unpack("L", None)
+    assert receiver.unpack("L0", None) is None and receiver.unpack("L", None) is not None
+    assert Receiver().kept.capacity == KEPT_LAYOUTS
 
 
 def test_a_layout_refitted_before_skips_no_check_that_another_layout_needs(hf_config: dict) -> None:
@@ -439,8 +443,9 @@ def test_in_place_views_rebuild_each_tensor_where_it_lies_in_its_storage() -> No
     storage (slices of one flat tensor, a transposed view, a tensor of its own), sharing its
     bytes. The receiver's mapping of each storage is stood in for by the storage itself (CUDA
     IPC has no CPU form)."""
-    from rollgen.refit import InPlaceViews, IpcHandle, cuda_ipc
+    from rollgen.refit import InPlaceViews, IpcHandle
     from rollgen.refit.in_place import bytes_of, storage_places
+    from rollgen.refit.transports import cuda_ipc
 
     flat = torch.arange(24, dtype=torch.float32)
     own = torch.randn(2, 3, dtype=torch.bfloat16)

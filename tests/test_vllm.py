@@ -99,10 +99,10 @@ def test_worker_killed_mid_call_is_a_worker_error(vllm_config: dict, batch: dict
     try:
         data = rollgen.BatchedDataDict(batch)
         request = GenerateRequest.shards(data, gen.sample_params(data, greedy=False), 1)[0]
-        ref = gen.group.workers[0].generate.remote(request)
-        ray.kill(gen.group.workers[0], no_restart=True)
+        ref = gen.engines.group.workers[0].generate.remote(request)
+        ray.kill(gen.engines.group.workers[0], no_restart=True)
         with pytest.raises(WorkerError, match="rollgen-vllm-dp0"):
-            gen.group.get([ref], timeout_s=120)
+            gen.engines.group.get([ref], timeout_s=120)
         with pytest.raises(WorkerError):
             gen.generate(batch, greedy=True)
     finally:
@@ -201,7 +201,7 @@ def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> No
     from rollgen.processes import descendants
 
     dp1.generate(batch, greedy=True)
-    engine_processes = descendants(dp1.engine_info[0]["pid"])
+    engine_processes = descendants(dp1.engines.info(0)["pid"])
     core = [pid for pid, cmd in engine_processes.items() if cmd.startswith("VLLM::EngineCore")]
     assert len(core) == 1, engine_processes
     os.kill(core[0], signal.SIGKILL)
@@ -311,7 +311,7 @@ def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(d
 
     from rollgen.processes import descendants, running
 
-    pids = [info["pid"] for info in dp2.engine_info]
+    pids = [info["pid"] for info in (r.info for r in dp2.engines.table)]
     processes = [*pids, *(p for pid in pids for p in descendants(pid))]
     mapped = {
         line.split()[-1]
@@ -319,7 +319,10 @@ def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(d
         for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
         if "/dev/shm/" in line
     }
-    actors, pg_names = list(dp2.group.workers), {pg.id.hex() for pg in dp2.cluster.get_placement_groups()}
+    actors, pg_names = (
+        list(dp2.engines.group.workers),
+        {pg.id.hex() for pg in dp2.cluster.get_placement_groups()},
+    )
     dp2.shutdown()
     alive = [p for p in pids if running(p)]  # a zombie not yet reaped by Ray's raylet is gone
     assert not alive, f"engine worker processes {alive} outlive shutdown"

@@ -110,7 +110,7 @@ def test_a_replica_that_dies_under_a_streamed_rollout_ends_the_generation(
     n = short_prompts["input_ids"].shape[0]
     rollout = seeded.submit({**short_prompts, "max_new_tokens": torch.full((n,), 200)})
     assert not rollout.done
-    ray.kill(seeded.group.workers[1], no_restart=True)
+    ray.kill(seeded.engines.group.workers[1], no_restart=True)
     with pytest.raises(rollgen.RollgenError, match="rollgen-vllm-dp1"):
         rollout.wait()
     assert not seeded.usable
@@ -149,7 +149,7 @@ def test_a_failed_generate_leaves_the_engine_usable_and_shutdown_does_not_wait_o
         assert not info.value.died and gen.usable
         assert gen.generate(short_prompts, greedy=True)["output_ids"].shape[0] == len(PROMPTS) * 32
 
-        ray.get(gen.group.workers[0].wedge.remote())
+        ray.get(gen.engines.group.workers[0].wedge.remote())
         monkeypatch.setattr(gen, "shutdown_wait_s", 1.0)
         calling, failed = threading.Event(), []
         inner = gen._generate
@@ -179,7 +179,7 @@ def test_a_wedged_call_fails_at_the_deadline_and_ends_the_generation(
     ``call_timeout_s`` (short here) has passed, its worker killed; later calls raise at once."""
     gen = wedging(model_dir, call_timeout_s=5.0)
     try:
-        ray.get(gen.group.workers[0].wedge.remote())
+        ray.get(gen.engines.group.workers[0].wedge.remote())
         with pytest.raises(WorkerError, match="call_timeout_s=5.0") as info:
             gen.generate(short_prompts)
         assert info.value.died and not gen.usable

@@ -168,11 +168,14 @@ def test_an_nccl_group_with_two_ranks_on_one_gpu_is_refused_before_anyone_joins(
     """NCCL refuses (or hangs on) two ranks of one group on one GPU: two engines sharing a GPU
     is a RefitError naming it, before any rank joins (engine GPUs faked: this machine has none)."""
     import rollgen
-    from rollgen_hf.generation import HfGeneration
 
-    monkeypatch.setattr(HfGeneration, "engine_devices", property(lambda self: ("GPU-a", "GPU-a")))
-    monkeypatch.setattr(HfGeneration, "sync_device", property(lambda self: torch.device("cuda", 0)))
     with rollgen.create_generation(hf_config) as gen:
+        link = gen.updates.link
+        monkeypatch.setattr(
+            link,
+            "facts",
+            dataclasses.replace(link.facts, devices=("GPU-a", "GPU-a"), sync_device=torch.device("cuda", 0)),
+        )
         spec = SyncGroupSpec("127.0.0.1", 29999, 2, "nccl", 5.0)
         with pytest.raises(RefitError, match=r"GPU\(s\) \['GPU-a'\]"):
             gen.init_weight_sync(spec)
@@ -246,7 +249,7 @@ def test_the_store_listens_on_the_specs_address_only() -> None:
 
 def test_a_spec_of_another_secret_or_size_fails_at_once_and_says_which() -> None:
     sender = WeightSender(SyncGroupSpec("127.0.0.1", 0, 2, timeout_s=20))
-    with pytest.raises(RefitError, match="its secret differs"):
+    with pytest.raises(RefitError, match="failed its check against this spec's secret"):
         SyncGroup(dataclasses.replace(sender.spec, secret=auth.new_secret()), 1)
     with pytest.raises(RefitError, match="has 2 ranks, this spec 3"):
         SyncGroup(dataclasses.replace(sender.spec, world_size=3), 1)
@@ -276,8 +279,64 @@ def test_a_port_in_use_is_a_refit_error() -> None:
 
 def test_a_sender_no_engine_joins_is_a_refit_error_after_its_timeout() -> None:
     sender = WeightSender(SyncGroupSpec("127.0.0.1", 0, 2, timeout_s=2))
-    with pytest.raises(RefitError, match="No engine rank joined"):
+    with pytest.raises(RefitError, match=r"rank\(s\) \[1\] of 2 did not join"):
         sender.connect()
+
+
+def test_a_rank_that_never_comes_fails_the_join_within_its_deadline_naming_it() -> None:
+    """The join deadline, not the transfer timeout (600 s here), bounds a join one rank never
+    makes; the others are told which rank it is."""
+    sender = WeightSender(SyncGroupSpec("127.0.0.1", 0, 3, timeout_s=600, join_timeout_s=1))
+    errors: list[RefitError] = []
+
+    def engine() -> None:
+        with pytest.raises(RefitError) as info:
+            SyncGroup(sender.spec, 1)
+        errors.append(info.value)
+
+    joined = threading.Thread(target=engine)
+    joined.start()
+    with pytest.raises(RefitError, match=r"rank\(s\) \[2\] of 3 did not join .* join deadline \(1 s"):
+        sender.connect()
+    joined.join(60)
+    assert not joined.is_alive() and "rank(s) [2] of 3 did not join" in str(errors[0])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_silent_process_in_a_ranks_slot_fails_the_join_within_its_deadline(rank: int) -> None:
+    """A process without the secret that joins as a member (here rank 0's or rank 1's slot,
+    then says nothing: a stand-in, it takes no part in the authentication) holds the others
+    only until the join deadline, and the error says a joined rank did not authenticate."""
+    host = WeightSender(SyncGroupSpec("127.0.0.1", 0, 2, timeout_s=600, join_timeout_s=2))
+    spec = host.spec
+    silent = threading.Event()
+
+    def squatter() -> None:
+        store = dist.TCPStore(spec.address, spec.port, is_master=False, timeout=timedelta(seconds=30))
+        store.set(f"rollgen-weight-sync/joined/{rank}", "1")
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=spec.address)]
+        dist.ProcessGroupGloo(dist.PrefixStore("rollgen-weight-sync", store), rank, 2, options)
+        silent.wait(60)  # in the slot, silent
+
+    thread = threading.Thread(target=squatter, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(RefitError, match="authenticated: a rank that joined did not take part"):
+            if rank == 0:
+                SyncGroup(spec, 1)
+            else:
+                host.connect()
+    finally:
+        silent.set()
+        thread.join(60)
+
+
+def test_a_join_deadline_longer_than_the_timeout_is_refused() -> None:
+    with pytest.raises(RefitError, match=r"join_timeout_s 30: .* at most timeout_s \(10\)"):
+        SyncGroupSpec("127.0.0.1", 0, 2, timeout_s=10, join_timeout_s=30)
+    assert SyncGroupSpec("127.0.0.1", 0, 2, timeout_s=10).join_deadline_s == 10
+    assert SyncGroupSpec("127.0.0.1", 0, 2).join_deadline_s == 60
 
 
 def test_engines_that_never_receive_fail_the_send_typed_and_unstale() -> None:

@@ -83,7 +83,7 @@ def arm_death(gen: Any, index: int, *, steps: int = 0, buckets: int = 0) -> None
     """Have replica ``index`` of ``gen`` (started with ``DyingRank`` as its
     ``worker_extension_cls``) die at its ``steps``-th engine step, or at its ``buckets``-th
     refit bucket, from now on."""
-    worker, pid = gen.group.workers[index], gen.engine_info[index]["pid"]
+    worker, pid = gen.engines.group.workers[index], gen.engines.info(index)["pid"]
     ray.get(worker.collective_rpc.remote("fault_arm_death", (pid, steps, buckets), {}))
 
 

@@ -16,17 +16,10 @@ from rollgen.data import BatchedDataDict, unpad
 from rollgen.errors import EngineClosed, RolloutsInFlight, UnsupportedCapability, WorkerError
 from rollgen.model_info import ModelInfo
 from rollgen.output import empty_output, finish_output, stop_reason
-from rollgen.refit import (
-    TRANSPORT_CAPABILITY,
-    SyncBackend,
-    SyncGroupSpec,
-    TensorMeta,
-    Transport,
-    WeightBucket,
-    WeightSpec,
-)
+from rollgen.refit import SyncBackend, SyncGroupSpec, TensorMeta, Transport, WeightBucket, WeightSpec
 from rollgen.refit.bucket import as_buckets
-from rollgen.refit.link import EngineLink, InProcessLink
+from rollgen.refit.link import EngineLink
+from rollgen.refit.transports import transport_named
 from rollgen.refit.updates import WeightUpdates
 from rollgen.rollout import InFlightSample, ReplicaLoad, Rollout, SampleRequest, Streams, UpdateMode
 from rollgen.sampling import SampleParams, resolve_sampling
@@ -64,15 +57,12 @@ class BaseGeneration(ABC):
     per-sample settings, seeds, the lock, wake/sleep, streamed rollouts, the text path; weight
     updates go to ``updates`` (``rollgen.refit.WeightUpdates``).
 
-    A backend implements the engine hooks, in two surfaces (each a section below):
-
-    - generate: ``_generate`` (required), ``_stream_start`` and ``_stream_abort`` (``async``),
-      ``replica_load``, ``_sleep``, ``_wake``, ``_shutdown``; the engine's facts
-      ``reads_weights``, ``releases_memory_on_sleep``, ``sampling_limits``, ``shutdown_wait_s``;
-    - refit: ``_apply_bucket`` (required), ``_reset_prefix_cache``, ``_clear_kv_cache``,
-      ``_expected_weights``; the engine's facts ``local_transport``, ``engines_in_process``,
-      ``engine_devices``, ``sync_device``, ``weight_sync_ranks``; and, for engines elsewhere,
-      ``_refit_link`` (the ``EngineLink`` in place of the hooks) and ``_run_update``."""
+    A backend implements the engine hooks (the last section below): ``_generate`` (required),
+    ``_stream_start`` and ``_stream_abort`` (``async``), ``replica_load``, ``_sleep``,
+    ``_wake``, ``_shutdown``; the engine's facts ``reads_weights``, ``releases_memory_on_sleep``,
+    ``sampling_limits``, ``shutdown_wait_s``. A backend that takes refits links its engine once
+    it is up (``link_engine``: for one in this process, ``rollgen.refit.InProcessLink`` made of
+    its ``EngineFacts`` and its load and cache callables)."""
 
     #: How long ``shutdown`` waits for the engine to report the streamed samples it aborts; one
     #: not reported by then fails its rollout, named (a setting of the object: set it before
@@ -106,6 +96,10 @@ class BaseGeneration(ABC):
             self._stream_stop_reason,
             lambda: self.updates.nonfinite_logprobs(),
         )
+        #: This generation's weight updates: their state and their lifecycle.
+        self.updates = WeightUpdates(
+            self.name, lambda: self.model_info.weight_spec(self.engine_dtype), self._streams
+        )
         seed = self.cfg.get("seed")
         self._seed_rng = None if seed is None else torch.Generator().manual_seed(int(seed))
         if self.cfg.get("logprobs_mode") == "processed":
@@ -135,8 +129,7 @@ class BaseGeneration(ABC):
     def ready(self) -> bool:
         """Whether ``generate`` and ``submit`` can run now as far as the generation's state goes:
         usable, every part awake (``prepare_for_generation``), its weights not stale."""
-        stale = "updates" in self.__dict__ and self.updates.stale is not None  # made by the first call
-        return self.usable and self._awake.all_awake and not stale
+        return self.usable and self._awake.all_awake and self.updates.stale is None
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         """Block until ``ready`` or until the generation can never be, at most ``timeout_s``
@@ -359,10 +352,22 @@ class BaseGeneration(ABC):
     # ---- refit --------------------------------------------------------------------------------
     # The public methods check the call and the engine's state, then hand the update to
     # ``updates``, which reaches the engine through its link.
-    @functools.cached_property
-    def updates(self) -> WeightUpdates:
-        """This generation's weight updates: their state and their lifecycle."""
-        return WeightUpdates(self.name, self._refit_link(), self._expected_weights, self._streams)
+    def link_engine(self, link: EngineLink, *, weights: Callable[[], WeightSpec] | None = None) -> None:
+        """Have weight updates reach the engine through ``link`` (once the engine is up).
+
+        Args:
+            link: for an engine in this process, ``rollgen.refit.InProcessLink(facts, load,
+                ...)``; a backend without refit links none (its capabilities refuse refits).
+            weights: reads the served model's ``WeightSpec`` (None: the model folder's, in
+                ``engine_dtype``)."""
+        self.updates.link = link
+        if weights is not None:
+            self.updates.expected = weights
+
+    @property
+    def local_transport(self) -> Transport:
+        """The transport ``refit()`` packs a local source with (the linked engine's)."""
+        return self.updates.facts.transport
 
     @property
     def weight_spec(self) -> WeightSpec:
@@ -411,10 +416,8 @@ class BaseGeneration(ABC):
         self._awake.require(["weights"], "update weights")
         items = as_buckets(buckets)
         for transport in dict.fromkeys(b.transport for b in items):
-            self.require(TRANSPORT_CAPABILITY[transport], f"refit over {transport}")
-        self._run_update(
-            lambda: self.updates.apply_buckets(items, partial, mode), buckets=items, partial=partial
-        )
+            self.require(transport_named(transport).capability, f"refit over {transport}")
+        self.updates.apply_buckets(items, partial, mode)
 
     @serialised
     def refit(
@@ -447,20 +450,8 @@ class BaseGeneration(ABC):
         local_sender=True)``) this process broadcasts the source."""
         self._check_open()
         self._awake.require(["weights"], "refit")
-        self.require(TRANSPORT_CAPABILITY[self.local_transport], "refit")
-        self._run_update(
-            lambda: self.updates.refit(
-                source,
-                bucket_bytes=bucket_bytes,
-                dtype=dtype,
-                partial=partial,
-                check_finite=check_finite,
-                mode=mode,
-            ),
-            source=source,
-            dtype=dtype,
-            partial=partial,
-        )
+        self.require(transport_named(self.local_transport).capability, "refit")
+        self.updates.refit(source, bucket_bytes, dtype, partial, check_finite, mode)
 
     @serialised
     def release_refit_buffers(self) -> None:
@@ -521,7 +512,7 @@ class BaseGeneration(ABC):
         A failure while applying marks the generation stale."""
         self._check_open()
         self._awake.require(["weights"], "update weights")
-        self._run_update(lambda: self.updates.update_from_collective(mode))
+        self.updates.update_from_collective(mode)
 
     # ---- shutdown -----------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -546,8 +537,7 @@ class BaseGeneration(ABC):
             return
         self._closed = True
         self._state_changed()
-        if "updates" in self.__dict__:
-            self.updates.close()
+        self.updates.close()
         self._streams.close(self.shutdown_grace_s)
         self._shutdown()
 
@@ -557,7 +547,7 @@ class BaseGeneration(ABC):
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    # ==== engine hooks: the generate surface ====================================================
+    # ==== engine hooks ==========================================================================
     #: Bounds of sampling settings tighter than the contract's that this engine enforces
     #: (``{"temperature": (low, high)}``, None for no bound): checked in the config at creation
     #: and in each batch's per-sample values, before any engine work.
@@ -604,61 +594,3 @@ class BaseGeneration(ABC):
 
     def _shutdown(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine needs it
         """Free the engine."""
-
-    # ==== engine hooks: the refit surface =======================================================
-    #: Transport ``refit()`` packs local sources with; backends override.
-    local_transport: Transport = "tensors"
-    #: Whether the engine runs in this process (its end of a weight-sync group joins here).
-    engines_in_process: ClassVar[bool] = True
-
-    @abstractmethod
-    def _apply_bucket(self, bucket: WeightBucket) -> None:
-        """Load one validated bucket into the engine."""
-
-    def _reset_prefix_cache(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine needs it
-        """Invalidate cached prefixes (after a refit that follows a generate; ``_sleep`` resets
-        them itself)."""
-
-    def _clear_kv_cache(self) -> None:  # noqa: B027 - optional hook, a no-op unless the engine needs it
-        """Drop cached prefixes and zero the KV cache (after a generate returned NaN logprobs:
-        the cache may hold NaNs from the weights that produced them)."""
-        self._reset_prefix_cache()
-
-    def _expected_weights(self) -> WeightSpec:
-        """The HF model's state dict (built on the meta device); backends that hold the model
-        may read their own."""
-        return self.model_info.weight_spec(self.engine_dtype)
-
-    @property
-    def engine_devices(self) -> tuple[str, ...]:
-        """UUIDs of the GPUs the engine's ranks run on (empty on CPU, or where unknown)."""
-        return ()
-
-    @property
-    def sync_device(self) -> torch.device:
-        """Where the engine receives broadcast buckets (NCCL needs a GPU)."""
-        return torch.device("cpu")
-
-    @property
-    def weight_sync_ranks(self) -> int:
-        """How many engine ranks join a weight-sync group (every TP rank of every replica)."""
-        return 1
-
-    def _refit_link(self) -> EngineLink:
-        """How updates reach the engine: by default in this process, through ``_apply_bucket``
-        and the other hooks (backends whose engines live elsewhere give their own)."""
-        return InProcessLink(self)
-
-    def _run_update(
-        self,
-        apply: Callable[[], None],
-        *,
-        buckets: list[WeightBucket] | None = None,
-        source: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
-        dtype: torch.dtype | None = None,
-        partial: bool = False,
-    ) -> None:
-        """Run one validated call's weight update (``apply``): of ``buckets``, of ``source`` cast
-        to ``dtype``, or (neither) over the weight-sync group. Backends whose engines can be
-        replaced keep what it applied, for a replacement."""
-        apply()

@@ -4,13 +4,13 @@ rule (each named in its docstring); stand-ins for the suite's mutation test."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from rollgen.data import BatchedDataDict
-from rollgen.refit import WeightBucket, load_into_module
+from rollgen.refit import load_into_module
 from rollgen.sampling import SampleParams
 from rollgen_example.engine import ExampleGeneration
 from rollgen_hf.generation import HfGeneration
@@ -68,7 +68,7 @@ class OnlyTokenizerEos(ExampleGeneration):
 class RefitIgnored(ExampleGeneration):
     """Breaks refit: takes the buckets and loads nothing."""
 
-    def _apply_bucket(self, bucket: WeightBucket) -> None:
+    def _load_weights(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         pass
 
 
@@ -76,8 +76,8 @@ class PartialRefitIntoTheNextLayer(ExampleGeneration):
     """Breaks partial refits: a bucket of one layer's tensors alone is loaded into the next
     layer (the complete model's buckets span layers, and load where they belong)."""
 
-    def _apply_bucket(self, bucket: WeightBucket) -> None:
-        named = list(bucket.unpack())
+    def _load_weights(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        named = list(named)
         layers = {n.split(".")[2] for n, _ in named if n.startswith("model.layers.")}
         if len(layers) == 1 and all(n.startswith("model.layers.") for n, _ in named):
             (layer,) = layers
@@ -89,7 +89,7 @@ class PartialRefitIntoTheNextLayer(ExampleGeneration):
 
 class PrefixCacheKeptAcrossRefits(ExampleGeneration):
     """Breaks "no prefix cached under old weights is reused": caches the model's logits by
-    sequence and keeps them through refits (``_reset_prefix_cache`` left a no-op)."""
+    sequence and keeps them through refits (no prefix reset linked)."""
 
     def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
         super().__init__(config, cluster=cluster, backend=backend)

@@ -5,13 +5,13 @@ for the suite's mutation test; each bends the hf backend's own hooks or its repo
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from rollgen.data import BatchedDataDict
-from rollgen.refit import WeightBucket, load_into_module
+from rollgen.refit import load_into_module
 from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen_hf.decode import Decoder
@@ -96,8 +96,8 @@ class WeightsLoadAfterPrefill(HfGeneration):
         super().__init__(config, cluster=cluster, backend=backend)
         self._pending: list[list[tuple[str, torch.Tensor]]] = []
 
-    def _apply_bucket(self, bucket: WeightBucket) -> None:
-        self._pending.append([(n, t.clone()) for n, t in bucket.unpack()])
+    def _load_weights(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self._pending.append([(n, t.clone()) for n, t in named])
 
     def _load_pending(self) -> None:
         while self._pending:

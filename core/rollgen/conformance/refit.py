@@ -270,7 +270,9 @@ class RefitTests:
         )
         # the trainer on a GPU of its own over NCCL where there is one (NCCL takes one rank per
         # GPU), else on CPU over gloo
-        free = [i for i in range(torch.cuda.device_count()) if device_uuid(i) not in engine.engine_devices]
+        free = [
+            i for i in range(torch.cuda.device_count()) if device_uuid(i) not in engine.updates.facts.devices
+        ]
         backend, device = ("nccl", f"cuda:{free[0]}") if free else ("gloo", "cpu")
         spec = engine.weight_sync_spec("127.0.0.1", backend=backend, timeout_s=120)
         dtype = str(engine.engine_dtype).removeprefix("torch.")

@@ -5,7 +5,9 @@ each); samples wait on the driver when every engine is full, and go out as engin
 thread polls the engines that have samples and hands the new tokens of samples that stream them
 and what ended to the core (each stamped with the replica it ran on), and an engine's failure to
 the generation. A sample restarted after its engine died continues from the tokens already
-handed on (those of a sample that streams them), so nothing handed on is taken back."""
+handed on (those of a sample that streams them), so nothing handed on is taken back. Which
+engines take samples, and with what capacity, is the replicas' (``rollgen.distributed.replicas``);
+the dispatcher listens for one that leaves service (its samples go to the others) or returns."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any
 
 import ray
 
-from rollgen.distributed.worker_groups import RayWorkerGroup
+from rollgen.distributed.replicas import Replicas
 from rollgen.errors import RollgenError, WorkerError
 from rollgen.rollout import FinishedSample, ReplicaLoad, SampleProgress, SampleRequest
 
@@ -31,23 +33,18 @@ WAIT_S = 0.05
 
 
 class SampleDispatcher:
-    """Spreads streamed samples over a worker group's engines and reports ended ones to
-    ``deliver``, a worker's failure to ``failed`` (as a call's failure is reported)."""
+    """Spreads streamed samples over the engines of ``replicas`` in service and reports ended
+    ones to ``deliver``, a worker's failure to ``failed`` (as a call's failure is reported)."""
 
     def __init__(
         self,
-        group: RayWorkerGroup,
-        capacity: list[int],
+        replicas: Replicas,
         deliver: Callable[[list[FinishedSample]], None],
         failed: Callable[[WorkerError], None],
-        died: Callable[[int, WorkerError], bool] = lambda engine, error: False,
         progress: Callable[[list[SampleProgress]], None] = lambda reports: None,
     ) -> None:
-        self.group, self.capacity, self.deliver, self.failed = group, list(capacity), deliver, failed
-        #: Told of an engine's death first; True: its samples are re-run elsewhere (it called
-        #: ``take_out``), and ``failed`` is not told.
-        self.died = died
-        self.progress = progress
+        self.replicas, self.group = replicas, replicas.group
+        self.deliver, self.failed, self.progress = deliver, failed, progress
         #: The samples on engines, and how often each was restarted after its engine died.
         self._requests: dict[str, SampleRequest] = {}
         self._restarts: dict[str, int] = defaultdict(int)
@@ -58,12 +55,13 @@ class SampleDispatcher:
         self._lock = threading.Condition()
         self._queue: deque[SampleRequest] = deque()
         self._where: dict[str, int] = {}
-        self._load = [0] * len(capacity)
-        self._started = [0] * len(capacity)
+        self._load = [0] * len(replicas)
+        self._started = [0] * len(replicas)
         self._polls: dict[Any, int] = {}
         self._calls: dict[Any, int] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
+        replicas.listen(self)
 
     def start(self, requests: list[SampleRequest]) -> None:
         with self._lock:
@@ -93,17 +91,13 @@ class SampleDispatcher:
         """Each engine's samples now, in one consistent snapshot."""
         with self._lock:
             return [
-                ReplicaLoad(i, running, capacity, started)
-                for i, (running, capacity, started) in enumerate(
-                    zip(self._load, self.capacity, self._started)
-                )
+                ReplicaLoad(i, running, self.capacity(i) if self.replicas.in_service(i) else 0, started)
+                for i, (running, started) in enumerate(zip(self._load, self._started))
             ]
 
-    def takes_samples(self, engine: int) -> bool:
-        """Whether ``engine`` may be given samples: not one that failed (capacity 0). The one
-        place to refuse a replica that is not healthy (starting, stale, dead) once replicas have
-        states of their own."""
-        return self.capacity[engine] > 0
+    def capacity(self, engine: int) -> int:
+        """How many samples ``engine`` decodes at once (what it reported once started)."""
+        return int(self.replicas.info(engine)["capacity"])
 
     def close(self) -> None:
         with self._lock:
@@ -117,8 +111,7 @@ class SampleDispatcher:
         batches: dict[int, list[SampleRequest]] = defaultdict(list)
         while self._queue:
             room = [
-                c - n if self.takes_samples(i) else 0
-                for i, (c, n) in enumerate(zip(self.capacity, self._load))
+                self.capacity(i) - n if self.replicas.in_service(i) else 0 for i, n in enumerate(self._load)
             ]
             engine = place(self._queue[0].replica, room)
             if engine is None:
@@ -165,8 +158,8 @@ class SampleDispatcher:
                 self._moved(engine, moved)
             else:
                 self.group.get([ref], names=[name])
-        except RollgenError as exc:  # a death the fleet takes re-runs its samples elsewhere
-            if not (isinstance(exc, WorkerError) and exc.died and self.died(engine, exc)):
+        except RollgenError as exc:  # a death the generation outlives re-runs its samples elsewhere
+            if not (isinstance(exc, WorkerError) and exc.died and self.replicas.died(engine, exc)):
                 self._failed(engine, name, exc)
                 return
         self._ended(engine, [dataclasses.replace(f, replica=engine) for f in ended])
@@ -200,17 +193,24 @@ class SampleDispatcher:
         return dataclasses.replace(sample, restarts=restarts)
 
     def _failed(self, engine: int, name: str, exc: RollgenError) -> None:
-        """Engine ``engine`` failed: so did every sample it has."""
+        """Engine ``engine`` failed: so did every sample it has; it takes no more."""
         logger.error("%s failed while streaming samples: %s", name, exc)
         if isinstance(exc, WorkerError):
             self.failed(exc)
         with self._lock:
-            self.capacity[engine] = 0
             lost = [k for k, i in self._where.items() if i == engine]
-            if not any(self.capacity):  # no engine left for the waiting ones either
+            for key in lost:
+                del self._where[key]
+            self._load[engine] -= len(lost)
+        self.replicas.take_out(engine, exc)
+        with self._lock:
+            if not self.replicas.live:  # no engine left for the waiting ones either
                 lost += [r.key for r in self._queue]
                 self._queue.clear()
-        self._ended(engine, [FinishedSample(k, (), (), error=f"{name}: {exc}") for k in lost])
+            ended = [self._end_of(FinishedSample(k, (), (), error=f"{name}: {exc}")) for k in lost]
+            self._send()
+        if ended:
+            self.deliver(ended)
 
     def _ended(self, engine: int, ended: list[FinishedSample]) -> None:
         """Report the samples ``ended`` of ``engine`` (each with its restarts) and send more."""
@@ -223,13 +223,15 @@ class SampleDispatcher:
         if ended:
             self.deliver(ended)
 
-    # ---- a replaced engine (rollgen.distributed.fleet) -------------------------------------------
-    def take_out(self, engine: int) -> None:
+    # ---- replicas leaving and returning (``ReplicaListener``) -----------------------------------
+    def replica_left(self, engine: int) -> None:
         """Engine ``engine`` is out of service: its samples go back to the head of the queue
         (from their start, with the same settings and seed; one that streams its tokens from
-        the last it handed on), for the other engines."""
+        the last it handed on), for the other engines; calls to it are forgotten."""
         with self._lock:
-            self.capacity[engine] = 0
+            for refs in (self._polls, self._calls):
+                for ref in [r for r, i in refs.items() if i == engine]:
+                    del refs[ref]
             keys = [k for k, i in self._where.items() if i == engine]
             for key in keys:
                 del self._where[key]
@@ -255,14 +257,9 @@ class SampleDispatcher:
         params = dataclasses.replace(request.params, max_new_tokens=request.params.max_new_tokens - len(new))
         return dataclasses.replace(request, prompt_ids=request.prompt_ids + new, params=params)
 
-    def reopen(self, engine: int, capacity: int) -> None:
-        """Engine ``engine`` (a new actor) is in service again with ``capacity``; calls to the
-        one it replaced are forgotten."""
+    def replica_returned(self, engine: int) -> None:
+        """Engine ``engine`` (a new actor) is in service again: the waiting samples may go to it."""
         with self._lock:
-            for refs in (self._polls, self._calls):
-                for ref in [r for r, i in refs.items() if i == engine]:
-                    del refs[ref]
-            self.capacity[engine] = capacity
             self._send()
             self._lock.notify_all()
 

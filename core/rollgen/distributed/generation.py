@@ -2,14 +2,15 @@
 one per tied group (vLLM, SGLang). A backend names its worker class and its config sub-dict.
 
 The engines' options are computed first, without Ray (``plan_engines``, unit-tested); the
-start-up then reserves the bundles and starts one ``EngineWorker`` per tied group."""
+start-up then reserves the bundles and starts one ``EngineWorker`` per tied group. Their owner,
+``Replicas``, is built first; the refit link, the dispatcher and the replacement policy
+(``Fleet``) are each handed it, in that order (calls go policy → link → replicas)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -20,15 +21,14 @@ import torch
 from rollgen.base import BaseGeneration, serialised
 from rollgen.data import BatchedDataDict
 from rollgen.distributed.dispatch import SampleDispatcher
-from rollgen.distributed.fleet import Fleet, ReplicaStatus
+from rollgen.distributed.fleet import Fleet
 from rollgen.distributed.refit_link import RayLink
+from rollgen.distributed.replicas import Replicas, ReplicaStatus
 from rollgen.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from rollgen.distributed.worker import EngineWorker, GenerateRequest, WorkerSpec
+from rollgen.distributed.worker import EngineWorker, WorkerSpec
 from rollgen.distributed.worker_groups import RayWorkerBuilder, RayWorkerGroup, TiedGroup
 from rollgen.errors import ConfigError, WorkerError
-from rollgen.processes import running
-from rollgen.refit import WeightBucket, dtype_name
-from rollgen.refit.bucket import named_tensors
+from rollgen.refit import Transport, dtype_name
 from rollgen.rollout import ReplicaLoad, SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.wake import WAKE_TAGS
@@ -113,20 +113,6 @@ def leader_resources(cluster: RayVirtualCluster, tp: int, use_gpus: bool) -> dic
     }
 
 
-def wait_for_exit(pids: list[int], timeout_s: float = 30.0) -> None:
-    """Return once the processes ``pids`` (of this machine) have exited (Ray ends a killed
-    actor's process shortly after it reports the actor dead); log those that outlive
-    ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if running(p)]
-        if alive:
-            time.sleep(0.05)
-    if alive:
-        logger.warning("engine worker processes %s still run %.0f s after shutdown", alive, timeout_s)
-
-
 class RayGeneration(BaseGeneration):
     """Data parallelism = number of tied groups; a batch is sharded across their leaders (uneven
     shards allowed, empty ones not sent) and merged back in order. The worker class
@@ -137,7 +123,6 @@ class RayGeneration(BaseGeneration):
     #: Tokens of the engine's context it will not take as prompt: rollgen's ``max_model_len``
     #: (validation, clamping) is that much shorter than the context length the engine gets.
     reserved_context: ClassVar[int] = 0
-    engines_in_process: ClassVar[bool] = False
     #: The ranks each engine joins a weight-sync group with (None: one per tensor-parallel rank).
     sync_ranks_per_engine: ClassVar[int | None] = None
     shutdown_wait_s: ClassVar[float | None] = SHUTDOWN_WAIT_S
@@ -150,7 +135,8 @@ class RayGeneration(BaseGeneration):
         self.use_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.plan = self.make_plan(self.use_gpus)
         self.max_model_len = self.plan.max_model_len
-        self.local_transport = "cuda_ipc" if self.use_gpus else "shared_memory"
+        #: How refits reach the engines (``RayLink.facts``).
+        self.transport: Transport = "cuda_ipc" if self.use_gpus else "shared_memory"
         self._own_cluster = cluster is None
         tp = self.plan.spec.tensor_parallel_size
         if cluster is None:
@@ -162,9 +148,10 @@ class RayGeneration(BaseGeneration):
                 gpus_per_bundle=self.plan.gpus_per_bundle,
             )
         self.cluster = cluster
-        with ExitStack() as on_failure:  # a failed start frees what it reserved
-            on_failure.callback(self._release)
-            self.group = RayWorkerGroup(
+        engine, wait_s = self.plan.spec.engine, self.shutdown_wait_s or SHUTDOWN_WAIT_S
+        with ExitStack() as on_failure:  # a failed start frees what it reserved, in reverse
+            on_failure.callback(self._free_cluster)
+            group = RayWorkerGroup(
                 cluster,
                 RayWorkerBuilder(self.worker_cls, lambda group, i: (self.plan.worker_spec(group, i),)),
                 tp,
@@ -173,20 +160,23 @@ class RayGeneration(BaseGeneration):
                 one_at_a_time=0 < cluster.gpus_per_bundle < 1,  # engines that may share a GPU
                 cleanup=EngineWorker.shutdown,
             )
-            self.engine_info = self.group.call_all(EngineWorker.ready)
+            on_failure.callback(group.shutdown, EngineWorker.shutdown, wait_s)
+            self.engines = engines = Replicas(group, self.name, engine["engine_failures"] == "replace")
+            on_failure.callback(engines.shutdown, EngineWorker.shutdown, wait_s)
+            ranks = self.sync_ranks_per_engine or tp
+            sync_device = torch.device("cuda" if self.use_gpus else "cpu")
+            self._link = RayLink(engines, self.name, self.transport, sync_device, ranks, self.refits_in_place)
+            on_failure.callback(self._link.close)
             self._dispatcher = SampleDispatcher(
-                self.group,
-                [info["capacity"] for info in self.engine_info],
-                self._streams.deliver,
-                self._worker_failed,
-                lambda engine, error: self.fleet.died(engine, error),
-                self._streams.progress,
+                engines, self._streams.deliver, self._worker_failed, self._streams.progress
             )
-            self.fleet = Fleet(self, self.plan.spec.engine)
-            self.updates  # noqa: B018 - its link opens the engines' refit channels now
-            self.group.call_timeout_s = self.plan.spec.engine["call_timeout_s"]
+            on_failure.callback(self._dispatcher.close)
+            self.fleet = Fleet(engines, self._link, engine, self.transport, lambda: self.weight_version)
+            self.link_engine(self._link)
+            self.updates.on_update(self.fleet.updated)  # the fleet keeps what a replacement needs
+            group.call_timeout_s = engine["call_timeout_s"]
             on_failure.pop_all()
-        logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, self.engine_info[0])
+        logger.info("%s up: dp=%d tp=%d %s", self.name, self.dp_size, tp, engines.info(0))
 
     def make_plan(self, use_gpus: bool) -> EnginePlan:
         """The engines' options on this machine."""
@@ -211,7 +201,7 @@ class RayGeneration(BaseGeneration):
     @property
     def worker_specs(self) -> list[WorkerSpec]:
         """The spec each engine worker was started with, in data-parallel order."""
-        return [self.plan.worker_spec(g, i) for i, g in enumerate(self.group.groups)]
+        return [self.plan.worker_spec(g, i) for i, g in enumerate(self.engines.group.groups)]
 
     @property
     def refits_in_place(self) -> bool:
@@ -221,31 +211,27 @@ class RayGeneration(BaseGeneration):
 
     @property
     def dp_size(self) -> int:
-        return self.group.dp_size
+        return len(self.engines)
 
     @property
     def releases_memory_on_sleep(self) -> bool:
         return self.plan.spec.sleep_enabled
 
     def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
-        if self.fleet.replaces:
-            results = self.fleet.generate(batch, params)
-        else:
-            requests = GenerateRequest.shards(batch, params, self.dp_size)
-            results = self.group.call_sharded(EngineWorker.generate, requests)
+        self.fleet.admit()
+        results = self.engines.shard(batch, params)
         return BatchedDataDict.from_batches(results, pad_value_dict={"output_ids": self.cfg["pad_token_id"]})
 
     def _stream_start(self, requests: list[SampleRequest]) -> None:
-        if self.fleet.replaces:
-            self.fleet.admit()
+        self.fleet.admit()
         self._dispatcher.start(requests)
 
-    # ---- replicas (rollgen.distributed.fleet) -----------------------------------------------------
+    # ---- replicas (rollgen.distributed.replicas, .fleet) ------------------------------------------
     @property
     def replicas(self) -> list[ReplicaStatus]:
         """Each replica's state (starting, stale, healthy, dead), weight version, samples in
         flight, restarts and last error."""
-        return self.fleet.status()
+        return self.engines.status([r.running for r in self._dispatcher.load()])
 
     @serialised
     def restore_replicas(self, timeout_s: float | None = None) -> list[ReplicaStatus]:
@@ -255,37 +241,11 @@ class RayGeneration(BaseGeneration):
         self._check_open()
         self._awake.require(WAKE_TAGS, "restore replicas")
         self.fleet.admit(timeout_s)
-        return self.fleet.status()
+        return self.replicas
 
     def _worker_failed(self, error: WorkerError) -> None:
-        if not (error.died and self.fleet.died_as(error)):  # with "replace", a death others survive
+        if not (error.died and self.engines.died_as(error)):  # with "replace", a death others survive
             super()._worker_failed(error)
-
-    def _run_update(
-        self,
-        apply: Callable[[], None],
-        *,
-        buckets: list[WeightBucket] | None = None,
-        source: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
-        dtype: torch.dtype | None = None,
-        partial: bool = False,
-    ) -> None:
-        """Run the update (a replica's death during it: on the survivors once more, see
-        ``WeightUpdates``); then the replicas in service hold the new version, and (with
-        "replace") the fleet keeps its tensors for a replacement."""
-        replaces = self.fleet.replaces
-        if replaces:
-            for b in buckets or ():
-                b.resolve()  # mapped here before they are sent, to be read after
-        apply()
-        named: Iterable[tuple[str, torch.Tensor]] | None
-        if buckets is not None:
-            named = (pair for b in buckets for pair in b.unpack()) if replaces else ()
-        elif source is not None:
-            named = ((n, t if dtype is None else t.to(dtype)) for n, t in named_tensors(source))
-        else:
-            named = None  # over the weight-sync group
-        self.fleet.updated(named, partial)
 
     def _stream_abort(self, keys: list[str]) -> None:
         self._dispatcher.abort(keys)
@@ -293,54 +253,23 @@ class RayGeneration(BaseGeneration):
     def replica_load(self) -> list[ReplicaLoad]:
         return self._dispatcher.load()
 
-    def _apply_bucket(self, bucket: WeightBucket) -> None:
-        self.updates.link.apply_bucket(bucket, reset_prefix=False)
-
-    def _refit_link(self) -> RayLink:
-        return RayLink(self)
-
-    @property
-    def engine_devices(self) -> tuple[str, ...]:
-        return tuple(uuid for info in self.engine_info for uuid in info["devices"])
-
-    @property
-    def ranks_per_engine(self) -> int:
-        """The ranks each engine joins a weight-sync group with."""
-        return self.sync_ranks_per_engine or self.plan.spec.tensor_parallel_size
-
-    @property
-    def weight_sync_ranks(self) -> int:
-        return self.dp_size * self.ranks_per_engine
-
-    @property
-    def sync_device(self) -> torch.device:
-        return torch.device("cuda" if self.use_gpus else "cpu")
-
     def _sleep(self) -> None:
-        self.group.call_all(EngineWorker.sleep)
+        self.engines.call(EngineWorker.sleep)
 
     def _wake(self, tags: list[str]) -> None:
-        self.group.call_all(EngineWorker.wake, tags)
+        self.engines.call(EngineWorker.wake, tags)
 
     def _shutdown(self) -> None:
         try:
-            if "updates" in self.__dict__:
-                self.updates.link.release()
+            self.updates.release()
         except WorkerError as exc:  # a dead or hung worker: what it mapped goes with its process
             logger.warning("%s: the engines could not release the refit buffers: %s", self.name, exc)
         finally:
-            self._release()
+            self.updates.close()
+            self._dispatcher.close()
+            self.engines.shutdown(EngineWorker.shutdown, self.shutdown_wait_s or SHUTDOWN_WAIT_S)
+            self._free_cluster()
 
-    def _release(self) -> None:
-        if "updates" in self.__dict__:
-            self.updates.link.close()
-        dispatcher = getattr(self, "_dispatcher", None)
-        if dispatcher is not None:
-            dispatcher.close()
-        group = getattr(self, "group", None)
-        if group is not None:
-            group.shutdown(EngineWorker.shutdown, self.shutdown_wait_s or SHUTDOWN_WAIT_S)
-            here = ray.get_runtime_context().get_node_id()
-            wait_for_exit([i["pid"] for i in getattr(self, "engine_info", []) if i["node"] == here])
-        if self._own_cluster and getattr(self, "cluster", None) is not None:
+    def _free_cluster(self) -> None:
+        if self._own_cluster:
             self.cluster.shutdown()

@@ -2,7 +2,9 @@
 where they connect, else through the actors; into the staging buffers or, for a colocated
 trainer's refit of the tensors it refitted last, read in place; and the one rule of what each
 engine is sent (its own pickle: shared-memory handles open once per receiver, and a kept
-layout's bucket carries that engine's own exports)."""
+layout's bucket carries that engine's own exports). It is handed the replicas
+(``rollgen.distributed.replicas``) and calls only down to them; it listens for a replica that
+leaves service (its channels close)."""
 
 from __future__ import annotations
 
@@ -10,22 +12,22 @@ import logging
 import os
 import pickle
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 import ray
 import torch
 
+from rollgen.distributed.replicas import Replicas
 from rollgen.distributed.worker import EngineWorker
 from rollgen.errors import WorkerError
 from rollgen.refit import Named, WeightBucket, WeightSpec, channel
 from rollgen.refit.channel import EngineChannels
 from rollgen.refit.in_place import InPlaceSources
-from rollgen.refit.link import GenerationLink, Packing, pack_with
+from rollgen.refit.layouts import KEPT_LAYOUTS
+from rollgen.refit.link import EngineFacts, Packing, pack_with
+from rollgen.refit.meta import Transport
 from rollgen.refit.staging import RefitStaging, flat_sizes
+from rollgen.refit.transports import transport_named
 from rollgen.refit.weight_sync import SyncGroupSpec
-
-if TYPE_CHECKING:
-    from rollgen.distributed.generation import RayGeneration
 
 logger = logging.getLogger(__name__)
 
@@ -34,63 +36,86 @@ logger = logging.getLogger(__name__)
 STAGED_WAIT_S = 60.0
 
 
-class RayLink(GenerationLink):
-    """The link of a ``RayGeneration`` whose engines are up: it opens the refit channels."""
+class RayLink:
+    """The link to the engines of ``replicas`` (up): it opens their refit channels.
 
-    _gen: RayGeneration
+    Args:
+        replicas: the engines. name: the backend's, for messages.
+        transport: what ``refit()`` packs local sources with (``cuda_ipc`` on GPUs).
+        sync_device: where the engines receive a weight-sync group's broadcasts.
+        ranks_per_engine: the ranks each engine joins a weight-sync group with.
+        in_place: a colocated trainer's refit of the tensors it refitted last has the engines
+            read them in place (``rollgen.refit.in_place``), where the staging buffers serve."""
 
-    def __init__(self, generation: RayGeneration) -> None:
-        super().__init__(generation)
-        self.group = generation.group
+    #: How many kept layouts each engine rank keeps (and the driver's mirror of them).
+    capacity = KEPT_LAYOUTS
+
+    def __init__(
+        self,
+        replicas: Replicas,
+        name: str,
+        transport: Transport,
+        sync_device: torch.device,
+        ranks_per_engine: int,
+        in_place: bool,
+    ) -> None:
+        self.replicas, self.group, self.name = replicas, replicas.group, name
+        self.transport, self.sync_device, self.ranks_per_engine = transport, sync_device, ranks_per_engine
         #: Each engine rank's refit channel (none where the engines have none, or they do not
         #: connect), with the kept layouts each engine loaded over them.
-        self.channels = EngineChannels(self._open_channels())
-        #: Where a refit packs over CUDA IPC, when every worker reports its GPUs; and its refits
-        #: in place, where the backend has them.
+        self.channels = EngineChannels(self._open_channels(), self.capacity)
+        #: Where a refit packs into staging buffers (over CUDA IPC), when every worker reports
+        #: its GPUs; and its refits in place, where the backend has them.
         self._staging = (
             RefitStaging()
-            if generation.local_transport == "cuda_ipc" and all(i["devices"] for i in generation.engine_info)
+            if transport_named(transport).stages and all(r.info["devices"] for r in replicas.table)
             else None
         )
-        self._in_place = (
-            InPlaceSources() if self._staging is not None and generation.refits_in_place else None
-        )
+        self._in_place = InPlaceSources() if self._staging is not None and in_place else None
+        replicas.listen(self)
+
+    @property
+    def facts(self) -> EngineFacts:
+        """The engines' facts now (a replacement engine may run on other GPUs)."""
+        devices = tuple(uuid for r in self.replicas.table for uuid in r.info["devices"])
+        sync_ranks = len(self.replicas) * self.ranks_per_engine
+        return EngineFacts(self.transport, devices, self.sync_device, sync_ranks, in_process=False)
 
     def _open_channels(self) -> list[list[channel.Channel]]:
         """A refit channel to every engine rank, where every engine has them and they connect;
         else none (buckets go through the actors)."""
         authkey = self._authkey = os.urandom(32)
         try:
-            addresses = self.group.call_all(EngineWorker.open_channels, authkey)
+            addresses = self.replicas.call(EngineWorker.open_channels, authkey, self.capacity)
         except WorkerError as exc:
             if exc.died:
                 raise
             logger.warning(
                 "%s: refits go through the engines' actors: an engine opened no channel: %s",
-                self._gen.name,
+                self.name,
                 exc,
             )
             return []
-        return channel.connect(addresses, authkey, self.group.names) if all(addresses) else []
+        return channel.connect(addresses, authkey, self.replicas.names) if all(addresses) else []
 
     # ---- packing --------------------------------------------------------------------------------
     def packing(self, groups: list[Named], dtype: torch.dtype | None) -> Packing:
         """Over CUDA IPC, where every worker reports its GPUs: in place, as one bucket, where
         the source is the tensors of the last refit (``rollgen.refit.in_place``); else into the
         staging buffers, made (or replaced by larger ones) for the largest bucket first."""
-        staging, in_place = self._staging, self._in_place
+        staging, in_place, facts = self._staging, self._in_place, self.facts
         if staging is None:
-            return pack_with(self._gen.local_transport, groups, dtype, self.engine_devices)
+            return pack_with(facts, groups, dtype)
         named = [pair for group in groups for pair in group]
-        if in_place is not None and in_place.applies(named, dtype, self.engine_devices):
+        if in_place is not None and in_place.applies(named, dtype, facts.devices):
             pack = in_place.pack
-            dp = self._gen.dp_size
+            dp = len(self.replicas)
             return Packing([named], lambda group, check: pack(group, dp, check), True, self._release_staging)
 
         def prepare() -> None:
             self._release_in_place()
             need = max(flat_sizes(groups, dtype), default=0)
-            devices = sorted(set(self.engine_devices))
+            devices = sorted(set(facts.devices))
             if not staging.fits(devices, need):
                 self._release_staging()
                 staging.allocate(devices, need)
@@ -106,7 +131,7 @@ class RayLink(GenerationLink):
         if bucket.layout and self._in_place is not None and self._in_place.holds(bucket):
             return self._in_place.pickled(engine)
         if bucket.layout and self._staging is not None:
-            return self._staging.pickled(bucket, self._gen.engine_info[engine]["devices"], engine)
+            return self._staging.pickled(bucket, self.replicas.info(engine)["devices"], engine)
         return pickle.dumps(bucket)
 
     # ---- applying -------------------------------------------------------------------------------
@@ -119,46 +144,49 @@ class RayLink(GenerationLink):
         # the prefix reset in the same call
         args = [
             (bucket.layout, self._pickled(bucket, i), bucket.transport, reset_prefix)
-            for i in range(self._gen.dp_size)
+            for i in range(len(self.replicas))
         ]
-        refs = self.group.submit(EngineWorker.apply_bucket, args)
+        refs, names = self.replicas.submit(EngineWorker.apply_bucket, args)
         try:
-            self.group.get(refs)
+            self.group.get(refs, names=names)
         finally:
             if bucket.layout:  # after a failure, the next refit writes what others may still read
                 ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
 
     def reset_prefix_cache(self) -> None:
-        self.group.call_all(EngineWorker.reset_prefix_cache)
+        self.replicas.call(EngineWorker.reset_prefix_cache)
 
     def clear_kv_cache(self) -> None:
-        self.group.call_all(EngineWorker.clear_kv_cache)
+        self.replicas.call(EngineWorker.clear_kv_cache)
 
     # ---- the weight-sync group ------------------------------------------------------------------
     def join_weight_sync(self, spec: SyncGroupSpec) -> Callable[[], None]:
-        """Every replica joins (``Fleet.sync_members``), one not in service too."""
-        fleet, ranks = self._gen.fleet, self._gen.ranks_per_engine
-        members = fleet.sync_members(spec.timeout_s)
-        args = [(spec, 1 + i * ranks) for i in range(self._gen.dp_size)]
+        """Every replica joins (``Replicas.sync_members``), one not in service too."""
+        replicas, ranks = self.replicas, self.ranks_per_engine
+        members = replicas.sync_members(spec.timeout_s)
+        args = [(spec, 1 + i * ranks) for i in range(len(replicas))]
         refs = self.group.submit(EngineWorker.join_weight_sync, args, list(members))
 
         def joined() -> None:
-            self.group.get(refs, names=[self.group.names[i] for i in members])
-            fleet.joined(members)
+            self.group.get(refs, names=[replicas.names[i] for i in members])
+            replicas.joined(members)
 
         return joined
 
     def receive_weights(self, spec: WeightSpec) -> Callable[[], bool]:
-        """Every member of the group receives (``Fleet.sync_submit``: a stale one too)."""
-        refs, names = self._gen.fleet.sync_submit(EngineWorker.receive_weights, [(spec,)] * self._gen.dp_size)
+        """Every member of the group receives (``Replicas.sync_submit``: a stale one too)."""
+        refs, names = self.replicas.sync_submit(EngineWorker.receive_weights, [(spec,)] * len(self.replicas))
         return lambda: self.group.get(refs, names=names)[0]
 
-    # ---- a replaced engine (rollgen.distributed.fleet) -------------------------------------------
-    def drop(self, engine: int) -> None:
-        """Engine ``engine`` is out of service: later updates skip it (its channels close)."""
+    # ---- replicas leaving and returning (``ReplicaListener``; ``rollgen.distributed.fleet``) ------
+    def replica_left(self, engine: int) -> None:
+        """Engine ``engine`` is out of service: its channels close (later updates skip it)."""
         if self.channels:
             channel.close([self.channels.channels[engine]])
             self.channels.channels[engine] = []
+
+    def replica_returned(self, engine: int) -> None:
+        """Nothing to do: ``adopt`` connected its channels before it returned."""
 
     def adopt(self, engine: int, buckets: Iterable[WeightBucket]) -> None:
         """Bring the new engine ``engine`` (still out of service) to the current weights: load
@@ -173,13 +201,15 @@ class RayLink(GenerationLink):
             ref = worker.apply_bucket.remote("", pickle.dumps(bucket), bucket.transport, n == len(todo))
             self.group.get([ref], names=[name])
         if self.channels:
-            addresses = self.group.get([worker.open_channels.remote(self._authkey)], names=[name])[0]
+            addresses = self.group.get(
+                [worker.open_channels.remote(self._authkey, self.capacity)], names=[name]
+            )[0]
             opened = channel.connect([addresses], self._authkey, [name]) if addresses else []
             if opened:
                 self.channels.channels[engine] = opened[0]
             else:  # an engine without channels: every update goes through the actors
                 logger.warning(
-                    "%s: %s opened no refit channel; refits go through the actors", self._gen.name, name
+                    "%s: %s opened no refit channel; refits go through the actors", self.name, name
                 )
                 self.channels.close()
 
@@ -211,8 +241,8 @@ class RayLink(GenerationLink):
             return
         self.channels.forget()  # the engines let go of what they unpacked too
         try:
-            refs = self.group.submit(EngineWorker.release_staged, [(keys,)] * self._gen.dp_size)
-            self.group.get(refs, timeout_s=STAGED_WAIT_S)
+            refs, names = self.replicas.submit(EngineWorker.release_staged, [(keys,)] * len(self.replicas))
+            self.group.get(refs, timeout_s=STAGED_WAIT_S, names=names)
         finally:
             release()
 
@@ -221,4 +251,4 @@ class RayLink(GenerationLink):
         self.channels.close()
 
     def survives(self, error: WorkerError) -> bool:
-        return error.died and self._gen.fleet.died_as(error)
+        return error.died and self.replicas.died_as(error)

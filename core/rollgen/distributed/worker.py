@@ -21,7 +21,7 @@ import torch
 from rollgen.data import BatchedDataDict, unpad
 from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.output import assemble_from_lists
-from rollgen.processes import descendants, running
+from rollgen.processes import descendants, running, shared_memory
 from rollgen.refit import WeightBucket, WeightSpec, release_staged
 from rollgen.refit.weight_sync import SyncGroupSpec
 from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
@@ -114,6 +114,7 @@ class EngineWorker(ABC):
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
+        self._started_at = time.time()
         self._stopped = False
         #: The samples that ended, and the new tokens of those that stream them, not polled yet
         #: (``poll`` waits on it).
@@ -152,11 +153,17 @@ class EngineWorker(ABC):
 
     # ---- the protocol (what the driver calls) ---------------------------------------------------
     def ready(self) -> dict[str, Any]:
-        """What the engine reports of itself once started (versions, ...), and where this
-        worker's process runs (``node``, ``pid``)."""
+        """What the engine reports of itself once started (versions, ...), where this worker's
+        process runs (``node``, ``pid``), the engine's processes (``pids``: this one and those
+        below it) and the shared memory they made and hold (``shared_memory``: name -> inode,
+        what a process killed leaves in ``/dev/shm``, which the driver reclaims once they are
+        gone: ``rollgen.distributed.replicas``)."""
+        pids = [os.getpid(), *descendants(os.getpid())]
         return {
             "node": ray.get_runtime_context().get_node_id(),
             "pid": os.getpid(),
+            "pids": pids,
+            "shared_memory": shared_memory(pids, self._started_at),
             "devices": self._devices() if self.spec.use_gpus else [],
             "capacity": self._capacity(),
             **self._describe(),
@@ -173,18 +180,19 @@ class EngineWorker(ABC):
         """Load one pickled, validated ``WeightBucket`` of ``transport`` (one pickle per worker:
         shared-memory handles open once per receiver, and a kept layout's bucket carries this
         worker's own exports; ``layout``: its layout, which the worker may keep,
-        ``refit.unpack_request``); ``reset_prefix``: then drop every cached prefix (an update's
+        ``refit.Receiver``); ``reset_prefix``: then drop every cached prefix (an update's
         last bucket: one round trip for both)."""
         self._load_request(layout, data, transport)
         if reset_prefix:
             self._reset_prefix_cache()
 
-    def open_channels(self, authkey: bytes) -> list[str]:
+    def open_channels(self, authkey: bytes, capacity: int) -> list[str]:
         """The address of a refit channel to each of this engine's ranks, which loads what
         ``apply_bucket`` loads without the Ray call and the engine's RPC, and a kept layout by
-        name alone (``rollgen.refit.channel``; ``authkey`` authenticates the driver); empty
-        where the engine has none."""
-        return self._open_channels(authkey)
+        name alone, ``capacity`` of them (``rollgen.refit.channel``; ``authkey`` authenticates
+        the driver, whose mirror of the kept layouts has that capacity); empty where the engine
+        has none."""
+        return self._open_channels(authkey, capacity)
 
     def release_staged(self, keys: list[str]) -> None:
         """Unmap the trainer's staging buffers ``keys`` (it frees them once every worker has)."""
@@ -280,8 +288,9 @@ class EngineWorker(ABC):
         engines whose ranks can take the pickle as it is pass it on (and may keep the layout)."""
         self._load_bucket(pickle.loads(data).resolve())
 
-    def _open_channels(self, authkey: bytes) -> list[str]:
-        """Open a refit channel to each rank (``open_channels``); none here."""
+    def _open_channels(self, authkey: bytes, capacity: int) -> list[str]:
+        """Open a refit channel to each rank, each keeping ``capacity`` layouts
+        (``rollgen.refit.receiver.Receiver``; ``open_channels``); none here."""
         return []
 
     def _release_staged(self, keys: list[str]) -> None:

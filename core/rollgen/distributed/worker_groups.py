@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import logging
 import time
-from collections.abc import Callable, Sequence, Sized
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,8 +83,6 @@ class RayWorkerGroup:
         self.groups = tied_groups(cluster.bundles_per_node, tp_size)
         self.names = [f"{name_prefix}-dp{i}" for i in range(len(self.groups))]
         self.workers: list[Any] = []
-        #: Engines out of service (dead, or a replacement not yet admitted): calls skip them.
-        self.out: set[int] = set()
         self._builder, self._options = builder, []
         #: Seconds ``get`` waits for an answer before it kills the workers that have not given
         #: one (None: for ever; the engine's ``call_timeout_s`` once it has started).
@@ -119,14 +117,9 @@ class RayWorkerGroup:
     def dp_size(self) -> int:
         return len(self.workers)
 
-    @property
-    def live(self) -> list[int]:
-        """The engines in service, in order (all of them unless some are ``out``)."""
-        return [i for i in range(len(self.workers)) if i not in self.out]
-
     def call_all(self, method: Callable[..., Any], *args: Any) -> list[Any]:
-        """Call ``method`` on every leader in service and wait; typed errors come back as
-        themselves."""
+        """Call ``method`` on every leader and wait; typed errors come back as themselves.
+        (Which engines are in service is the replicas' business: ``Replicas.call``.)"""
         return self.get(self.submit(method, [args] * len(self.workers)))
 
     def submit(
@@ -135,68 +128,83 @@ class RayWorkerGroup:
         args: Sequence[tuple[Any, ...]],
         engines: Sequence[int] | None = None,
     ) -> list[Any]:
-        """Start ``method`` on every leader in service (or on ``engines``), leader i with
-        ``args[i]``; returns the refs for ``get`` (given ``engines``, with their names)."""
+        """Start ``method`` on every leader (or on ``engines``), leader i with ``args[i]``;
+        returns the refs for ``get`` (given ``engines``, with their names)."""
         if len(args) != len(self.workers):
             raise ValueError(f"{len(args)} argument tuples for {len(self.workers)} workers")
         return [
             getattr(self.workers[i], method.__name__).remote(*args[i])
-            for i in (self.live if engines is None else engines)
+            for i in (range(len(self.workers)) if engines is None else engines)
         ]
 
     def restart(self, index: int, ready: Callable[..., Any]) -> Any:
         """End engine ``index``'s actor (its tied group goes with it) and start a new one on the
-        same bundles; it stays ``out`` until the caller admits it. Returns the ref of its
-        ``ready`` method's answer (which comes once it has started)."""
-        self.out.add(index)
+        same bundles. Returns the ref of its ``ready`` method's answer (which comes once it has
+        started)."""
         ray.kill(self.workers[index], no_restart=True)
         self.workers[index] = self._builder.build(self._options[index], self.groups[index], index)
         return getattr(self.workers[index], ready.__name__).remote()
 
-    def call_sharded(self, method: Callable[..., Any], shards: Sequence[Sized]) -> list[Any]:
-        """Leader i gets ``shards[i]``; empty shards are not sent. Results in shard order."""
-        if len(shards) != len(self.workers):
-            raise ValueError(f"{len(shards)} shards for {len(self.workers)} workers")
-        live = [i for i, s in enumerate(shards) if len(s)]
-        refs = [getattr(self.workers[i], method.__name__).remote(shards[i]) for i in live]
-        return self.get(refs, names=[self.names[i] for i in live])
-
     def get(
         self, refs: list[Any], timeout_s: float | None = None, names: list[str] | None = None
     ) -> list[Any]:
-        """The results of ``refs`` in order, naming the failing worker: a dead actor or a remote
-        crash becomes a WorkerError with the remote traceback; rollgen's own typed errors pass
-        through. The first failure is raised as soon as it arrives, without waiting for the
-        other workers. ``timeout_s``: a WorkerError for the first worker that has not answered
-        by then; None: ``call_timeout_s``, past which the workers that have not answered are
-        killed as wedged (``WorkerError(died=True)``)."""
-        names = names or [self.names[i] for i in self.live]
-        pending = dict(zip(refs, names))
+        """The results of ``refs`` in order, naming the failing worker (``answers``): the first
+        failure is raised as soon as it arrives, without waiting for the other workers."""
+        results: list[Any] = [None] * len(refs)
+        for n, result, error in self.answers(refs, names, timeout_s):
+            if error is not None:
+                raise error
+            results[n] = result
+        return results
+
+    def answers(
+        self, refs: list[Any], names: list[str] | None = None, timeout_s: float | None = None
+    ) -> Iterator[tuple[int, Any, RollgenError | None]]:
+        """Each answer to ``refs`` as it arrives: (its position, its result, None), or (its
+        position, None, the error): a dead actor or a remote crash is a WorkerError naming the
+        worker (``names[position]``) with the remote traceback; rollgen's own typed errors come
+        as themselves. ``timeout_s``: a WorkerError for the workers that have not answered by
+        then; None: ``call_timeout_s``, past which the workers that have not answered are killed
+        as wedged (``WorkerError(died=True)``)."""
+        names = names or self.names
+        pending = {ref: n for n, ref in enumerate(refs)}
         wait_s = self.call_timeout_s if timeout_s is None else timeout_s
         deadline = None if wait_s is None else time.monotonic() + wait_s
         try:
             while pending:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 done, _ = ray.wait(list(pending), num_returns=1, timeout=left)
-                if not done and timeout_s is None:
-                    self._kill(set(pending.values()), wait_s)
                 if not done:
-                    raise WorkerError(pending[next(iter(pending))], f"did not answer within {wait_s} s")
+                    late = sorted(pending.values())
+                    overdue = (
+                        self._kill({names[n] for n in late}, wait_s)
+                        if timeout_s is None
+                        else WorkerError(names[late[0]], f"did not answer within {wait_s} s")
+                    )
+                    for n in late:
+                        yield n, None, overdue
+                    return
                 for ref in done:
-                    self._result(ref, pending.pop(ref))
+                    n = pending.pop(ref)
+                    result: Any = None
+                    error: RollgenError | None = None
+                    try:
+                        result = self._result(ref, names[n])
+                    except RollgenError as exc:
+                        error = exc
+                    yield n, result, error
         finally:
-            for ref in pending:  # after a failure: their results, errors included, are taken when they come
+            for ref in pending:  # unanswered: their results, errors included, are taken when they come
                 ref.future().add_done_callback(lambda f: f.exception())
-        return [self._result(ref, name) for ref, name in zip(refs, names)]
 
-    def _kill(self, names: set[str], wait_s: float | None) -> None:
-        """Kill the workers ``names``, which did not answer within ``wait_s``, and raise their
-        death (``WorkerError(died=True)``)."""
+    def _kill(self, names: set[str], wait_s: float | None) -> WorkerError:
+        """Kill the workers ``names``, which did not answer within ``wait_s``; their death
+        (``WorkerError(died=True)``)."""
         wedged = [w for n, w in zip(self.names, self.workers) if n in names]
         logger.error("workers %s did not answer within %s s; killing them as wedged", sorted(names), wait_s)
         for w in wedged:
             ray.kill(w, no_restart=True)
-        raise WorkerError(
+        return WorkerError(
             ", ".join(sorted(names)),
             f"did not answer within call_timeout_s={wait_s} s and was killed as wedged (the worker's log "
             "may say where it hung); create a new generation object",

@@ -1,21 +1,24 @@
 """Weight refit: the trainer's buckets, the transports, the checks before anything is applied, and
 the engine rank's side of each.
 
-Transports (``WeightBucket.transport``):
+Transports (``rollgen.refit.transports``, one module per transport holding both its ends;
+``WeightBucket.transport`` names one, ``WeightBucket.via`` is it):
 - ``tensors``: the tensors themselves (in-process, or copied through the Ray object store);
 - ``shared_memory``: CPU tensors in shared memory, sent as a few KB of handles (zero-copy when the
   trainer's tensors already live in shared memory; otherwise one bucket-sized copy). Handles are
   made each time the bucket is pickled, one set per receiver, so pack it in the process that
   sends it to the engines (across processes, use ``tensors``);
 - ``cuda_ipc``: CUDA IPC handles keyed by device UUID, for trainer and engine on the same GPUs;
-- a weight-sync group (``weight_sync``): broadcasts over gloo or NCCL from a trainer elsewhere.
+- ``collective``: a weight-sync group (``weight_sync``) broadcasting over gloo or NCCL from a
+  trainer elsewhere.
 
 Modules: ``meta`` (names, ``TensorMeta``, ``WeightSpec``, module groups, flat layouts), ``checks``
-(source, spec, reach, finiteness), ``cuda_ipc`` (exports and mappings), ``bucket`` (packing,
-sizes, merging), ``receiver`` (the rank's kept layouts), ``staging`` and ``in_place`` (the
-trainer's persistent GPU buffers, or its own tensors read in place), ``weight_sync`` (both ends of
-a group) and ``channel`` (both ends of a driver ↔ rank socket); ``updates`` (``WeightUpdates``,
-one update's lifecycle) over ``link`` (what it asks of the engines).
+(source, spec, reach, finiteness), ``bucket`` (packing, sizes, merging), ``layouts``
+(``KeptLayouts``, on every end), ``receiver`` (the rank's end: unpacking, kept layouts),
+``staging`` and ``in_place`` (the trainer's persistent GPU buffers, or its own tensors read in
+place), ``weight_sync`` (both ends of a group) and ``channel`` (both ends of a driver ↔ rank
+socket); ``updates`` (``WeightUpdates``, one update's lifecycle) over ``link`` (what it asks of
+the engines, and ``EngineFacts``).
 """
 
 from rollgen.refit.bucket import (
@@ -42,11 +45,10 @@ from rollgen.refit.checks import (
     reject_nonfinite,
     require_finite,
 )
-from rollgen.refit.cuda_ipc import InPlaceViews, IpcHandle, device_uuid, ipc_targets
-from rollgen.refit.link import EngineLink, InProcessLink, Packing
+from rollgen.refit.layouts import KEPT_LAYOUTS, KeptLayouts
+from rollgen.refit.link import EngineFacts, EngineLink, InProcessLink, Packing
 from rollgen.refit.meta import (
     FLAT_ALIGN,
-    TRANSPORT_CAPABILITY,
     Named,
     TensorMeta,
     Transport,
@@ -59,7 +61,9 @@ from rollgen.refit.meta import (
     module_group,
     unflatten,
 )
-from rollgen.refit.receiver import KEPT_UNPACKED, load_into_module, release_staged, unpack_request
+from rollgen.refit.receiver import Receiver, load_into_module, release_staged
+from rollgen.refit.transports import BucketTransport, transport_named
+from rollgen.refit.transports.cuda_ipc import InPlaceViews, IpcHandle, device_uuid, ipc_targets
 from rollgen.refit.updates import WeightUpdates
 from rollgen.refit.weight_sync import SyncBackend, SyncGroup, SyncGroupSpec, WeightSender, receive
 
@@ -67,15 +71,18 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "FLAT_ALIGN",
     "GPU_BUCKET_BYTES",
-    "KEPT_UNPACKED",
-    "TRANSPORT_CAPABILITY",
+    "KEPT_LAYOUTS",
+    "BucketTransport",
+    "EngineFacts",
     "EngineLink",
     "GraphedCheck",
     "InProcessLink",
     "InPlaceViews",
     "IpcHandle",
+    "KeptLayouts",
     "Named",
     "Packing",
+    "Receiver",
     "SyncBackend",
     "SyncGroup",
     "SyncGroupSpec",
@@ -112,6 +119,6 @@ __all__ = [
     "reject_nonfinite",
     "release_staged",
     "require_finite",
+    "transport_named",
     "unflatten",
-    "unpack_request",
 ]

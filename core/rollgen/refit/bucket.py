@@ -1,14 +1,11 @@
 """Buckets: a bounded group of named tensors packed for one transport (``tensors``,
-``shared_memory``, ``cuda_ipc``), the trainer's packing of a source into them, their sizes, and the
-merge of colocated trainer ranks' CUDA IPC buckets."""
+``shared_memory``, ``cuda_ipc``: ``rollgen.refit.transports``), the trainer's packing of a source
+into them, their sizes, and the merge of colocated trainer ranks' CUDA IPC buckets."""
 
 from __future__ import annotations
 
-import io
-import pickle
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -21,16 +18,9 @@ from rollgen.refit.checks import (
     check_source,
     require_finite,
 )
-from rollgen.refit.cuda_ipc import InPlaceViews, IpcHandle, gpu_entry, ipc_handles, mapped
-from rollgen.refit.meta import (
-    TRANSPORT_CAPABILITY,
-    TensorMeta,
-    Transport,
-    flat_offsets,
-    flatten,
-    module_group,
-    unflatten,
-)
+from rollgen.refit.meta import TensorMeta, Transport, module_group
+from rollgen.refit.transports import BucketTransport, transport_named
+from rollgen.refit.transports.cuda_ipc import InPlaceViews, IpcHandle
 
 #: Bucket size for a source in host memory.
 DEFAULT_BUCKET_BYTES = 1 << 30
@@ -43,7 +33,7 @@ GPU_BUCKET_BYTES = (64 << 20, 4 << 30)
 
 @dataclass
 class WeightBucket:
-    """A bounded group of named tensors, packed for one transport. Picklable."""
+    """A bounded group of named tensors, packed for one transport (``via``). Picklable."""
 
     transport: Transport
     metas: tuple[TensorMeta, ...]
@@ -55,19 +45,22 @@ class WeightBucket:
     #: unpacked under this name, so later refits of the layout send only the name. Empty: a
     #: bucket of its own.
     layout: str = ""
-    _keepalive: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
+    #: What the sender keeps alive while receivers read it (or a receiver mapped: ``resolve``).
+    held: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def via(self) -> BucketTransport:
+        """The transport, both its ends (``rollgen.refit.transports``).
+
+        Raises:
+            RefitError: for an unknown transport."""
+        return transport_named(self.transport)
 
     def __getstate__(self) -> dict[str, Any]:
-        payload = self.payload
-        if self.transport == "shared_memory" and self._keepalive:
-            # torch's file_system handles open once per pickle: fresh handles for each receiver
-            buf = io.BytesIO()
-            ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(self._keepalive)
-            payload = buf.getvalue()
         return {
             "transport": self.transport,
             "metas": self.metas,
-            "payload": payload,
+            "payload": self.via.pickled_payload(self),  # one pickle per receiver where it must be
             "offsets": self.offsets,
             "layout": self.layout,
         }
@@ -77,15 +70,12 @@ class WeightBucket:
         return WeightBucket(self.transport, self.metas, payload, self.offsets, self.layout)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _keepalive=[])
+        self.__dict__.update(state, held=[])
 
     def resolve(self) -> WeightBucket:
-        """Map a received shared-memory bucket into this process (its handle opens once), so it
+        """Map a received bucket into this process (a shared-memory handle opens once), so it
         can be unpacked here and re-sent onwards with a fresh handle. Returns self."""
-        if self.transport == "shared_memory" and not self._keepalive:
-            torch.multiprocessing.set_sharing_strategy("file_system")
-            self._keepalive = pickle.loads(self.payload)
-            self.payload = None
+        self.via.resolve(self)
         return self
 
     def unpack(self, device: torch.device | str | None = None) -> list[tuple[str, torch.Tensor]]:
@@ -96,18 +86,7 @@ class WeightBucket:
 
         Raises:
             RefitError: for an unknown transport, or (``cuda_ipc``) no handle for the GPU."""
-        if self.transport == "tensors":
-            tensors = list(self.payload)
-        elif self.transport == "shared_memory":
-            tensors = unflatten(self.resolve()._keepalive[0], self.metas, self.offsets)
-        elif self.transport == "cuda_ipc":
-            entry, index = gpu_entry(self.payload, device)
-            if isinstance(entry, InPlaceViews):
-                tensors = entry.views(self.metas, index)
-            else:
-                tensors = unflatten(mapped(entry, index), self.metas, self.offsets)
-        else:
-            raise RefitError(f"unknown refit transport {self.transport!r}")
+        tensors = self.via.unpack(self, device)
         return [(m.name, t) for m, t in zip(self.metas, tensors, strict=True)]
 
 
@@ -123,8 +102,7 @@ def as_buckets(buckets: Any) -> list[WeightBucket]:
     for b in items:
         if not isinstance(b, WeightBucket):
             raise RefitError(f"update_weights takes WeightBucket(s), got {type(b).__name__}")
-        if b.transport not in TRANSPORT_CAPABILITY:
-            raise RefitError(f"unknown refit transport {b.transport!r}")
+        transport_named(b.transport)
     return items
 
 
@@ -150,22 +128,20 @@ def merge_buckets(per_rank: Sequence[Sequence[WeightBucket]]) -> list[WeightBuck
     merged = []
     for i, buckets in enumerate(zip(*per_rank)):
         first = buckets[0]
-        payload: dict[str, Any] = {}
+        kinds = [b.transport for b in buckets]
+        if len(set(kinds)) > 1:
+            raise RefitError(f"bucket {i}: the ranks packed it for different transports {kinds}")
         for rank, bucket in enumerate(buckets):
-            if bucket.transport != "cuda_ipc":
-                raise RefitError(
-                    f"merge_buckets merges cuda_ipc buckets; rank {rank} packed {bucket.transport!r}"
-                )
             if (bucket.metas, bucket.offsets) != (first.metas, first.offsets):
                 raise RefitError(
                     f"bucket {i}: rank {rank} packed other tensors than rank 0 "
                     "(the same source and bucket_bytes on every rank?)"
                 )
-            shared = sorted(set(payload) & set(bucket.payload))
-            if shared:
-                raise RefitError(f"bucket {i}: rank {rank} is on GPU(s) {shared} as another rank is")
-            payload.update(bucket.payload)
-        merged.append(WeightBucket("cuda_ipc", first.metas, payload, first.offsets))
+        try:
+            payload = first.via.merge([b.payload for b in buckets])
+        except RefitError as exc:
+            raise RefitError(f"bucket {i}: {exc}") from None
+        merged.append(WeightBucket(first.transport, first.metas, payload, first.offsets))
     return merged
 
 
@@ -285,7 +261,8 @@ def pack_bucket(
 
     Raises:
         RefitError: a tensor holds a NaN or an infinity (``check_finite``); for ``cuda_ipc``, a
-            GPU of ``devices`` the source's GPU cannot reach."""
+            GPU of ``devices`` the source's GPU cannot reach; an unknown transport."""
+    via = transport_named(transport)
     names, tensors = [], []
     for name, tensor in named:
         t = tensor.detach()
@@ -296,14 +273,5 @@ def pack_bucket(
     if check_finite:
         require_finite(zip(names, tensors))
     metas = tuple(TensorMeta.of(n, t) for n, t in zip(names, tensors))
-    if transport == "tensors":
-        return WeightBucket(transport, metas, tensors)
-    offsets = flat_offsets(m.nbytes for m in metas)
-    if transport == "shared_memory":
-        torch.multiprocessing.set_sharing_strategy("file_system")
-        buf = flatten(tensors, metas, offsets, torch.device("cpu")).share_memory_()
-        return WeightBucket(transport, metas, None, offsets, _keepalive=[buf])
-    if transport == "cuda_ipc":
-        payload, keep = ipc_handles(tensors, metas, offsets, devices)
-        return WeightBucket(transport, metas, payload, offsets, _keepalive=keep)
-    raise RefitError(f"unknown refit transport {transport!r}; use tensors, shared_memory or cuda_ipc")
+    packed = via.pack(tensors, metas, devices)
+    return WeightBucket(transport, metas, packed.payload, packed.offsets, held=packed.held)

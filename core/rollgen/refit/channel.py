@@ -44,7 +44,7 @@ from rollgen import auth
 from rollgen.errors import RollgenError, WorkerError
 from rollgen.processes import lifeline, running
 from rollgen.refit.bucket import WeightBucket
-from rollgen.refit.receiver import KEPT_UNPACKED
+from rollgen.refit.layouts import KEPT_LAYOUTS, KeptLayouts
 
 logger = logging.getLogger(__name__)
 
@@ -262,11 +262,12 @@ def close(channels: list[list[Channel]]) -> None:
 
 class EngineChannels:
     """The driver's channels to every rank of every engine (``channels[engine][rank]``), and the
-    kept layouts each engine loaded over them, which later refits send by name alone."""
+    kept layouts each engine loaded over them, which later refits send by name alone: a mirror
+    of each rank's ``KeptLayouts`` of ``capacity`` (the capacity the ranks were opened with)."""
 
-    def __init__(self, channels: list[list[Channel]]) -> None:
+    def __init__(self, channels: list[list[Channel]], capacity: int = KEPT_LAYOUTS) -> None:
         self.channels = channels
-        self._held: list[dict[str, None]] = [{} for _ in channels]
+        self._held: list[KeptLayouts[str, None]] = [KeptLayouts(capacity) for _ in channels]
 
     def __bool__(self) -> bool:
         return bool(self.channels)
@@ -320,16 +321,13 @@ class EngineChannels:
             (i, rank, (layout, None if layout in self._held[i] else pickled(bucket, i))) for i, rank in ranks
         ]
         missed = exchange(requests)
-        if missed:  # ranks keep the last KEPT_UNPACKED layouts
+        if missed:  # a rank that dropped the layout (it keeps as many as its mirror here)
             exchange([(i, rank, (layout, pickled(bucket, i))) for i, rank in missed])
         if errors:
             raise next((e for e in errors if isinstance(e, WorkerError) and e.died), errors[0])
         if layout:
             for held in self._held:  # the least recently used goes, as on the ranks
-                held.pop(layout, None)
-                held[layout] = None
-                if len(held) > KEPT_UNPACKED:
-                    del held[next(iter(held))]
+                held.keep(layout, None)
 
     def forget(self) -> None:
         """The engines let go of every kept layout (their mappings were released)."""

@@ -4,16 +4,13 @@ reach of CUDA IPC handles, and NaN/infinity (fused norms, or one CUDA graph of t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from rollgen.errors import RefitError
 from rollgen.refit.meta import Named, TensorMeta, WeightSpec
-
-if TYPE_CHECKING:
-    from rollgen.refit.bucket import WeightBucket
-
+from rollgen.refit.transports.base import Packet, transport_named
 
 #: The dtypes a refit may cast to (``dtype=``): the engines' weight dtypes.
 CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -110,26 +107,16 @@ def check_against_spec(metas: Iterable[TensorMeta], expected: WeightSpec, partia
         )
 
 
-def check_reach(bucket: WeightBucket, engine_devices: Iterable[str]) -> None:
-    """Check, on the driver before anything is sent, that a CUDA IPC bucket reaches every engine.
+def check_reach(bucket: Packet, engine_devices: Iterable[str]) -> None:
+    """Check, on the driver before anything is sent, that a bucket reaches every engine GPU.
 
     Args:
-        bucket: a packed bucket (of any transport: only ``cuda_ipc`` ones are checked).
+        bucket: a packed bucket (its transport checks: only ``cuda_ipc`` names GPUs).
         engine_devices: the UUIDs of the engines' GPUs.
 
     Raises:
         RefitError: listing each engine GPU the bucket holds no handle for."""
-    engine_devices = list(engine_devices)
-    missing = sorted(set(engine_devices) - set(bucket.payload)) if bucket.transport == "cuda_ipc" else []
-    if missing:
-        raise RefitError(
-            f"refit over CUDA IPC: the engines run on GPUs {engine_devices}, the update holds "
-            f"tensors on {sorted(bucket.payload)} only; nothing was sent. CUDA IPC needs the "
-            "trainer's tensors on every engine GPU: with trainer ranks colocated on them, pack "
-            "buckets on each rank and merge them (rollgen.merge_buckets); otherwise refit over a "
-            "weight-sync group (docs/contract.md, 'Where the trainer is')",
-            [f"no handle for engine GPU {uuid}" for uuid in missing],
-        )
+    transport_named(bucket.transport).check_reach(bucket.payload, list(engine_devices))
 
 
 @torch.no_grad()

@@ -32,8 +32,8 @@ import torch
 from rollgen.errors import RefitError
 from rollgen.refit.bucket import WeightBucket
 from rollgen.refit.checks import GraphedCheck, nonfinite, reject_nonfinite
-from rollgen.refit.cuda_ipc import InPlaceViews, IpcHandle, device_uuid
 from rollgen.refit.meta import Named, TensorMeta
+from rollgen.refit.transports.cuda_ipc import CUDA_IPC, InPlaceViews, IpcHandle, device_uuid
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class InPlaceSources:
         storages, places = storage_places(named)
         metas = tuple(TensorMeta.of(n, t) for n, t in named)
         payload = {device_uuid(named[0][1].device): None}
-        bucket = WeightBucket("cuda_ipc", metas, payload, layout=f"{self._generation}:in-place")
+        bucket = WeightBucket(CUDA_IPC.name, metas, payload, layout=f"{self._generation}:in-place")
         pickles = []
         for _ in range(receivers):
             exports = tuple(IpcHandle.export(bytes_of(s), self._key(i)) for i, s in enumerate(storages))

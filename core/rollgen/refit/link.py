@@ -1,21 +1,41 @@
 """The engine link: the few things a weight update asks of an engine (pack, apply a bucket, reset
 the prefix cache, clear the KV cache, join and receive over a weight-sync group, release what
-refits keep), and the default one for engines in this process, over the backend's hooks."""
+refits keep), the facts it knows of the engines (``EngineFacts``), and the link to an engine in
+this process, made from the backend's parts (``InProcessLink``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import torch
 
 from rollgen.errors import RefitError, WorkerError
 from rollgen.refit.bucket import WeightBucket, pack_bucket
-from rollgen.refit.meta import Named, TensorMeta, Transport, WeightSpec
-from rollgen.refit.weight_sync import SyncGroup, SyncGroupSpec, receive
+from rollgen.refit.meta import Named, Transport, WeightSpec
+from rollgen.refit.transports.collective import CollectiveReceiver
+from rollgen.refit.weight_sync import SyncGroupSpec
 
-if TYPE_CHECKING:
-    from rollgen.base import BaseGeneration
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What weight updates know of the engines they reach.
+
+    Args:
+        transport: how ``refit()`` packs a local source for them (``rollgen.refit.transports``).
+        devices: UUIDs of the GPUs their ranks run on (empty on CPU, or where unknown): CUDA IPC
+            buckets are checked against them before anything is sent.
+        sync_device: where they receive a weight-sync group's broadcasts (NCCL needs a GPU).
+        sync_ranks: how many ranks they join a weight-sync group with (every TP rank of every
+            replica).
+        in_process: they run in this process (a weight-sync group's sender is then elsewhere)."""
+
+    transport: Transport = "tensors"
+    devices: tuple[str, ...] = ()
+    sync_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    sync_ranks: int = 1
+    in_process: bool = True
 
 
 class Packing(NamedTuple):
@@ -30,39 +50,27 @@ class Packing(NamedTuple):
     prepare: Callable[[], None] = lambda: None
 
 
-def pack_with(
-    transport: Transport, groups: list[Named], dtype: torch.dtype | None, devices: tuple[str, ...]
-) -> Packing:
-    """Packing over ``transport``, each bucket loaded before the next is packed.
+def pack_with(facts: EngineFacts, groups: list[Named], dtype: torch.dtype | None) -> Packing:
+    """Packing over the engines' transport, each bucket loaded before the next is packed.
 
     Args:
-        transport: the engines' ``local_transport``.
-        groups: the buckets' named tensors. dtype: the cast while packing.
-        devices: the engine GPUs a ``cuda_ipc`` bucket gets a handle for (a source on one GPU
-            reaches engines on others)."""
+        facts: the engines' (a ``cuda_ipc`` bucket gets a handle for each of their GPUs: a
+            source on one GPU reaches engines on others).
+        groups: the buckets' named tensors. dtype: the cast while packing."""
+    devices = facts.devices or None
     return Packing(
         groups,
         lambda group, check: pack_bucket(
-            group, transport, dtype=dtype, check_finite=check, devices=devices or None
+            group, facts.transport, dtype=dtype, check_finite=check, devices=devices
         ),
     )
 
 
 class EngineLink(Protocol):
-    """What ``WeightUpdates`` asks of the engines. The engine facts (``engine_devices``,
-    ``sync_device``, ``weight_sync_ranks``, ``in_process``) are the backend's."""
+    """What ``WeightUpdates`` asks of the engines, and what it knows of them (``facts``)."""
 
     @property
-    def engine_devices(self) -> tuple[str, ...]: ...
-
-    @property
-    def sync_device(self) -> torch.device: ...
-
-    @property
-    def weight_sync_ranks(self) -> int: ...
-
-    @property
-    def in_process(self) -> bool: ...
+    def facts(self) -> EngineFacts: ...
 
     def packing(self, groups: list[Named], dtype: torch.dtype | None) -> Packing:
         """How a refit of ``groups`` (cast to ``dtype``) is packed for these engines."""
@@ -98,74 +106,62 @@ class EngineLink(Protocol):
         ...
 
 
-class GenerationLink:
-    """A link's engine facts, read off the generation it serves (the backend's)."""
-
-    def __init__(self, generation: BaseGeneration) -> None:
-        self._gen = generation
-
-    @property
-    def engine_devices(self) -> tuple[str, ...]:
-        return self._gen.engine_devices
-
-    @property
-    def sync_device(self) -> torch.device:
-        return self._gen.sync_device
-
-    @property
-    def weight_sync_ranks(self) -> int:
-        return self._gen.weight_sync_ranks
-
-    @property
-    def in_process(self) -> bool:
-        return self._gen.engines_in_process
+def _nothing() -> None:
+    """An engine that caches no prefix has none to drop."""
 
 
-class InProcessLink(GenerationLink):
-    """The link to an engine in this process: the backend's ``_apply_bucket`` and its other
-    hooks; a weight-sync group's engine end joins here, as rank 1."""
+class InProcessLink:
+    """The link to an engine in this process, made from its parts: its ``facts``, and
+    ``load(named)``, which copies validated named tensors into the engine (finishing before it
+    returns: the trainer may write the next bucket into the same memory then);
+    ``reset_prefix()`` drops every cached prefix (after an update that follows a generate);
+    ``clear_kv()`` drops them and zeroes the KV cache (after outputs with NaN logprobs; None:
+    ``reset_prefix``). A weight-sync group's engine end joins here, as rank 1."""
 
-    def __init__(self, generation: BaseGeneration) -> None:
-        super().__init__(generation)
-        self._group: SyncGroup | None = None
+    def __init__(
+        self,
+        facts: EngineFacts,
+        load: Callable[[Named], None],
+        *,
+        reset_prefix: Callable[[], None] = _nothing,
+        clear_kv: Callable[[], None] | None = None,
+    ) -> None:
+        self.facts = facts
+        self._load, self._reset_prefix = load, reset_prefix
+        self._clear_kv = clear_kv or reset_prefix
+        self._receiver = CollectiveReceiver()
 
     def packing(self, groups: list[Named], dtype: torch.dtype | None) -> Packing:
-        return pack_with(self._gen.local_transport, groups, dtype, self.engine_devices)
+        return pack_with(self.facts, groups, dtype)
 
     def apply_bucket(self, bucket: WeightBucket, reset_prefix: bool) -> None:
-        self._gen._apply_bucket(bucket)
+        self._load(bucket.unpack())
         if reset_prefix:
-            self._gen._reset_prefix_cache()
+            self._reset_prefix()
 
     def reset_prefix_cache(self) -> None:
-        self._gen._reset_prefix_cache()
+        self._reset_prefix()
 
     def clear_kv_cache(self) -> None:
-        self._gen._clear_kv_cache()
+        self._clear_kv()
 
     def survives(self, error: WorkerError) -> bool:
         return False
 
     def join_weight_sync(self, spec: SyncGroupSpec) -> Callable[[], None]:
         """The engine joins as rank 1 (returning once the sender has joined)."""
-        self._group = SyncGroup(spec, 1, self.sync_device)
+        self._receiver.join(spec, 1, self.facts.sync_device)
         return lambda: None
 
     def receive_weights(self, spec: WeightSpec) -> Callable[[], bool]:
-        """Received here, each bucket through the backend's ``_apply_bucket``."""
-        if self._group is None:
-            raise RefitError(f"{self._gen.name}: no weight-sync group; call init_weight_sync first")
-        partial = receive(
-            self._group,
-            spec,
-            lambda named: self._gen._apply_bucket(
-                WeightBucket("tensors", tuple(TensorMeta.of(n, t) for n, t in named), [t for _, t in named])
-            ),
-        )
+        """Received here, each bucket's tensors through ``load``."""
+        if not self._receiver.joined:
+            raise RefitError("no weight-sync group; call init_weight_sync first")
+        partial = self._receiver.receive(spec, self._load)
         return lambda: partial
 
     def release(self) -> None:
         """Nothing is kept between refits in process."""
 
     def close(self) -> None:
-        self._group = None
+        self._receiver.leave()

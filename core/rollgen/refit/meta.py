@@ -10,16 +10,7 @@ from typing import Literal
 
 import torch
 
-from rollgen.spec import Capability
-
 Transport = Literal["tensors", "shared_memory", "cuda_ipc"]
-
-
-TRANSPORT_CAPABILITY: dict[str, Capability] = {
-    "tensors": Capability.REFIT_TENSORS,
-    "shared_memory": Capability.REFIT_TENSORS,
-    "cuda_ipc": Capability.REFIT_IPC,
-}
 
 
 #: Offsets of tensors in a flat bucket buffer are multiples of this (any dtype can view them).

@@ -1,5 +1,6 @@
-"""The engine rank's side of a bucket: unpack it, keep the named tensors of a kept layout between
-refits (so later refits of it send only its name), release them, and load into a module."""
+"""The engine rank's side of a bucket: ``Receiver`` unpacks it, keeps the named tensors of a kept
+layout between refits (so later refits of it send only its name), and releases them; and the
+load into a module."""
 
 from __future__ import annotations
 
@@ -8,51 +9,55 @@ from collections.abc import Iterable
 
 import torch
 
-from rollgen.refit import cuda_ipc
 from rollgen.refit.bucket import WeightBucket
-
-#: The named tensors of the kept layouts this process unpacked (``WeightBucket.layout``: views
-#: of mappings kept until ``release_staged``), the ``KEPT_UNPACKED`` used last.
-_unpacked: dict[str, list[tuple[str, torch.Tensor]]] = {}
-
-
-KEPT_UNPACKED = 8
+from rollgen.refit.layouts import KEPT_LAYOUTS, KeptLayouts
+from rollgen.refit.meta import Named
+from rollgen.refit.transports import TRANSPORTS
 
 
 def release_staged(keys: Iterable[str]) -> None:
-    """Unmap the staging buffers ``keys`` in this process (the trainer frees a buffer once every
-    receiver has let it go)."""
-    cuda_ipc.unmap(keys)
-    _unpacked.clear()
+    """Let go of what this process maps under ``keys`` (the trainer's staging buffers, the
+    tensors it has read in place; it frees them once every receiver has), on every transport."""
+    keys = list(keys)
+    for transport in TRANSPORTS.values():
+        transport.release(keys)
 
 
-def unpack_request(
-    layout: str, data: bytes | None, device: torch.device | str | None = None
-) -> tuple[list[tuple[str, torch.Tensor]], bool] | None:
-    """The named tensors of a bucket sent as ``(layout, data)``, and whether they are kept.
+class Receiver:
+    """One engine rank's end of refits: it unpacks each bucket sent as ``(layout, data)`` on
+    ``device`` and keeps a kept layout's named tensors (views of kept mappings), ``capacity`` of
+    them (``KeptLayouts``: the driver's mirror of them has the same capacity)."""
 
-    Args:
-        layout: the bucket's kept layout ("": none).
-        data: the bucket's pickle (``WeightBucket.unpack``); None for a layout this process holds.
-        device: for ``cuda_ipc``, the GPU to map it on.
+    def __init__(self, device: torch.device | str | None = None, capacity: int = KEPT_LAYOUTS) -> None:
+        self.device = device
+        self.kept: KeptLayouts[str, Named] = KeptLayouts(capacity)
 
-    Returns None where ``data`` is None and the layout is not held here (send the pickle). A kept
-    layout's tensors are views of kept mappings, the same list each time it comes (do not change
-    it) until ``release_staged``."""
-    named = _unpacked.pop(layout, None) if layout else None
-    if named is not None:
-        _unpacked[layout] = named  # the most recent now
+    def unpack(self, layout: str, data: bytes | None) -> tuple[Named, bool] | None:
+        """The named tensors of a bucket sent as ``(layout, data)``, and whether they are kept.
+
+        Args:
+            layout: the bucket's kept layout ("": none).
+            data: the bucket's pickle (``WeightBucket.unpack``); None for a layout held here.
+
+        Returns None where ``data`` is None and the layout is not held here (send the pickle). A kept
+        layout's tensors are the same list each time it comes (do not change it) until
+        ``release``."""
+        named = self.kept.get(layout) if layout else None
+        if named is not None:
+            return named, True
+        if data is None:
+            return None
+        bucket: WeightBucket = pickle.loads(data)
+        named = bucket.unpack(self.device)
+        if not bucket.layout:
+            return named, False
+        self.kept.keep(bucket.layout, named)  # the least recently used goes (rotating partial refits)
         return named, True
-    if data is None:
-        return None
-    bucket: WeightBucket = pickle.loads(data)
-    named = bucket.unpack(device)
-    if not bucket.layout:
-        return named, False
-    if len(_unpacked) >= KEPT_UNPACKED:  # the least recently used goes (rotating partial refits)
-        del _unpacked[next(iter(_unpacked))]
-    _unpacked[bucket.layout] = named
-    return named, True
+
+    def release(self, keys: Iterable[str]) -> None:
+        """Forget every kept layout and let go of the mappings ``keys`` (``release_staged``)."""
+        self.kept.clear()
+        release_staged(keys)
 
 
 @torch.no_grad()

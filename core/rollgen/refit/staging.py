@@ -19,11 +19,9 @@ import torch
 from rollgen.errors import RefitError
 from rollgen.refit.bucket import WeightBucket
 from rollgen.refit.checks import require_finite
-from rollgen.refit.cuda_ipc import IpcHandle, device_uuid, ipc_targets
+from rollgen.refit.layouts import KeptLayouts
 from rollgen.refit.meta import Named, TensorMeta, copy_into, flat_offsets, mirror, unflatten
-
-#: Bucket layouts kept (their views, bucket and pickles) before the oldest is dropped.
-KEPT_LAYOUTS = 8
+from rollgen.refit.transports.cuda_ipc import CUDA_IPC, IpcHandle, device_uuid, ipc_targets
 
 
 @dataclass
@@ -46,7 +44,8 @@ class RefitStaging:
         self._generation = ""
         #: The export of each buffer made for each receiver: (GPU UUID, receiver) → handle.
         self._exports: dict[tuple[str, int], IpcHandle] = {}
-        self._layouts: dict[tuple[object, ...], _Layout] = {}
+        #: The bucket layouts packed before (their views, bucket and pickles).
+        self._layouts: KeptLayouts[tuple[object, ...], _Layout] = KeptLayouts()
         #: Each receiver's pickle of a layout's bucket: (id of the bucket, receiver) → bytes.
         self._pickles: dict[tuple[int, int], bytes] = {}
 
@@ -110,12 +109,11 @@ class RefitStaging:
         targets = ipc_targets([t for _, t in named], list(self._buffers)) if named else []
         buffers = [self._buffers[device_uuid(d)] for d in targets] or list(self._buffers.values())
         bucket = WeightBucket(
-            "cuda_ipc", metas, dict.fromkeys(self._buffers), offsets, layout=uuid.uuid4().hex
+            CUDA_IPC.name, metas, dict.fromkeys(self._buffers), offsets, layout=uuid.uuid4().hex
         )
-        if len(self._layouts) >= KEPT_LAYOUTS:  # the oldest goes (rotating partial refits)
-            old = self._layouts.pop(next(iter(self._layouts)))
+        layout = _Layout(bucket, buffers, unflatten(buffers[0], metas, offsets))
+        for _, old in self._layouts.keep(key, layout):  # the least recently used goes
             self._pickles = {k: v for k, v in self._pickles.items() if k[0] != id(old.bucket)}
-        layout = self._layouts[key] = _Layout(bucket, buffers, unflatten(buffers[0], metas, offsets))
         return layout
 
     def pickled(self, bucket: WeightBucket, devices: Iterable[str], receiver: int) -> bytes:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rollgen.errors import RefitError, StaleWeights, WorkerError
+from rollgen.errors import RefitError, StaleWeights, UnsupportedCapability, WorkerError
 from rollgen.refit.bucket import WeightBucket, default_bucket_bytes, grouped, named_tensors
 from rollgen.refit.checks import (
     check_against_spec,
@@ -24,9 +24,9 @@ from rollgen.refit.checks import (
     check_source,
     require_finite,
 )
-from rollgen.refit.cuda_ipc import device_uuid
-from rollgen.refit.link import EngineLink, Packing
+from rollgen.refit.link import EngineFacts, EngineLink, Packing
 from rollgen.refit.meta import Named, TensorMeta, WeightSpec
+from rollgen.refit.transports.cuda_ipc import device_uuid
 from rollgen.refit.weight_sync import SyncBackend, SyncGroupSpec, WeightSender
 
 if TYPE_CHECKING:
@@ -40,17 +40,19 @@ class WeightUpdates:
 
     Args:
         name: the generation's (backend's) name, for messages.
-        link: how updates reach the engines (``rollgen.refit.link.EngineLink``).
         expected: reads the served model's ``WeightSpec`` (called once).
         streams: the streamed samples an update may meet in flight.
 
-    The generation's lock is held around every method."""
+    ``link``: how updates reach the engines (``rollgen.refit.link.EngineLink``; None: a backend
+    without refit). ``expected`` may be replaced before the first update. The generation's lock
+    is held around every method."""
 
-    def __init__(
-        self, name: str, link: EngineLink, expected: Callable[[], WeightSpec], streams: Streams
-    ) -> None:
-        self.name, self.link = name, link
-        self._expected, self._streams = expected, streams
+    def __init__(self, name: str, expected: Callable[[], WeightSpec], streams: Streams) -> None:
+        self.name, self.expected, self._streams = name, expected, streams
+        self.link: EngineLink | None = None
+        #: Told of each update that completed: its named tensors (lazily, as applied) or None
+        #: (it came over a weight-sync group), and whether it was partial.
+        self._listeners: list[Callable[[Iterable[tuple[str, torch.Tensor]] | None, bool], None]] = []
         self._spec: WeightSpec | None = None
         #: Why the engine may hold mixed weights (an update failed part-way), until a complete one.
         self.stale: str | None = None
@@ -75,8 +77,29 @@ class WeightUpdates:
     def spec(self) -> WeightSpec:
         """What an update may send: HF checkpoint names, full (unsharded) shapes, engine dtype."""
         if self._spec is None:
-            self._spec = self._expected()
+            self._spec = self.expected()
         return self._spec
+
+    @property
+    def facts(self) -> EngineFacts:
+        """What the link knows of the engines (the defaults where there is no link)."""
+        return EngineFacts() if self.link is None else self.link.facts
+
+    @property
+    def _engines(self) -> EngineLink:
+        if self.link is None:
+            raise UnsupportedCapability(self.name, "refit", "weight updates (the backend links no engine)")
+        return self.link
+
+    def on_update(self, listener: Callable[[Iterable[tuple[str, torch.Tensor]] | None, bool], None]) -> None:
+        """Tell ``listener(named, partial)`` of each update that completes, once the samples in
+        flight are settled: ``named``, its tensors (an iterable read only if the listener reads
+        it), or None for an update over a weight-sync group."""
+        self._listeners.append(listener)
+
+    def _updated(self, named: Iterable[tuple[str, torch.Tensor]] | None, partial: bool) -> None:
+        for listener in self._listeners:
+            listener(named, partial)
 
     def check(self, metas: Iterable[TensorMeta], partial: bool = False) -> None:
         """Check tensors against the served model (``checks.check_against_spec``).
@@ -96,19 +119,21 @@ class WeightUpdates:
 
         A failure after the first bucket reached the engines marks the generation stale."""
         self.check((m for b in buckets for m in b.metas), partial)
+        link = self._engines
         for b in buckets:
-            check_reach(b, self.link.engine_devices)
+            check_reach(b, link.facts.devices)
+            b.resolve()  # mapped here once: each engine gets its own pickle, and it is read after
         with self._in_flight(mode):
             self._surviving(
                 lambda: self._apply(
                     buckets, len(buckets), partial, f"update_weights of {len(buckets)} bucket(s)"
                 )
             )
+        self._updated((pair for b in buckets for pair in b.unpack()), partial)
 
     def refit(
         self,
         source: torch.nn.Module | Mapping[str, torch.Tensor],
-        *,
         bucket_bytes: int | None,
         dtype: torch.dtype | None,
         partial: bool,
@@ -136,11 +161,11 @@ class WeightUpdates:
         if layout != self._checked_layout:  # a trainer refits the same layout every step
             self.check((TensorMeta.of(n, t, dtype) for n, t in named), partial)
             self._checked_layout = layout
-        sender = self._sender
+        sender, link = self._sender, self._engines
         packing = (
             None
             if sender is not None
-            else self.link.packing(self._bucket_groups(named, bucket_bytes, dtype), dtype)
+            else link.packing(self._bucket_groups(named, bucket_bytes, dtype), dtype)
         )
         # where packing checks every value before anything is sent (and no sample in flight
         # would be touched first), it checks the packed bytes: one pass fewer over the source
@@ -170,8 +195,9 @@ class WeightUpdates:
             self._surviving(
                 lambda: attempt(packing),
                 # packed again for the engines left: a dead one's buffers are gone with it
-                lambda: attempt(packing and self.link.packing(packing.groups, dtype)),
+                lambda: attempt(packing and link.packing(packing.groups, dtype)),
             )
+        self._updated(((n, t if dtype is None else t.to(dtype)) for n, t in named), partial)
 
     def _bucket_groups(
         self, named: Named, bucket_bytes: int | None, dtype: torch.dtype | None
@@ -189,13 +215,13 @@ class WeightUpdates:
         """Load ``count`` validated buckets one at a time (each loaded before the next is
         packed), the last with the prefix-cache reset a generate since the last reset calls for.
         A failure after the first bucket reached the engine marks the generation stale."""
-        applied = 0
+        applied, link = 0, self._engines
         try:
             for bucket in buckets:
-                check_reach(bucket, self.link.engine_devices)
+                check_reach(bucket, link.facts.devices)
                 applied += 1
                 last = applied == count and self.prefixes_cached and not self.kv_poisoned
-                self.link.apply_bucket(bucket, reset_prefix=last)
+                link.apply_bucket(bucket, reset_prefix=last)
                 if last:
                     self.prefixes_cached = False
                 del bucket
@@ -217,9 +243,10 @@ class WeightUpdates:
 
         Raises:
             RefitError: for an invalid spec."""
+        facts = self._engines.facts
         if backend is None:
-            backend = "nccl" if self.link.sync_device.type == "cuda" else "gloo"
-        return SyncGroupSpec(address, port, 1 + self.link.weight_sync_ranks, backend, timeout_s)
+            backend = "nccl" if facts.sync_device.type == "cuda" else "gloo"
+        return SyncGroupSpec(address, port, 1 + facts.sync_ranks, backend, timeout_s)
 
     def init_weight_sync(self, spec: SyncGroupSpec, local_sender: bool) -> None:
         """Have every engine rank join ``spec``'s group (``BaseGeneration.init_weight_sync``).
@@ -236,13 +263,14 @@ class WeightUpdates:
                 "the spec's port is 0: pass the sender's spec (rollgen.WeightSender(spec).spec), which "
                 "has the port it listens on"
             )
-        ranks = self.link.weight_sync_ranks
+        link = self._engines
+        ranks = link.facts.sync_ranks
         if spec.world_size != 1 + ranks:
             raise RefitError(
                 f"{self.name}: the group has {spec.world_size} ranks; these engines need 1 + {ranks} "
                 "(make the spec with weight_sync_spec)"
             )
-        if local_sender and self.link.in_process:
+        if local_sender and link.facts.in_process:
             raise RefitError(
                 f"{self.name} runs its engine in this process: refit() here copies the weights directly; "
                 "a weight-sync group is for a trainer in another process (local_sender=False)"
@@ -253,7 +281,7 @@ class WeightUpdates:
         if local_sender:
             sender = WeightSender(spec)  # hosts the group's store (port 0: a free one) at once
             spec = sender.spec
-        joined = self.link.join_weight_sync(spec)
+        joined = link.join_weight_sync(spec)
         if sender is not None:
             sender.connect()
         joined()
@@ -262,12 +290,13 @@ class WeightUpdates:
     def _check_nccl_devices(self, local_sender: bool) -> None:
         """RefitError unless every rank of an NCCL group would have a GPU of its own (NCCL
         refuses, or hangs on, two ranks of one group on one GPU)."""
-        if self.link.sync_device.type != "cuda":
+        facts = self._engines.facts
+        if facts.sync_device.type != "cuda":
             raise RefitError(
                 f"{self.name}: an NCCL weight-sync group needs the engines on CUDA GPUs; they receive on "
-                f"{self.link.sync_device}: use backend='gloo' (weight_sync_spec picks it for you)"
+                f"{facts.sync_device}: use backend='gloo' (weight_sync_spec picks it for you)"
             )
-        devices = list(self.link.engine_devices)
+        devices = list(facts.devices)
         if local_sender and torch.cuda.is_available():
             devices.append(device_uuid())
         shared = sorted({d for d in devices if devices.count(d) > 1})
@@ -290,11 +319,12 @@ class WeightUpdates:
             raise RefitError(f"{self.name}: this process is the group's sender; call refit(source)")
         with self._in_flight(mode):
             self._surviving(lambda: self._over_sync(None))
+        self._updated(None, partial=False)
 
     def _over_sync(self, send: Callable[[], None] | None) -> None:
         """Receive one update on every engine rank while ``send`` (if any) broadcasts it here."""
         try:
-            received = self.link.receive_weights(self.spec)
+            received = self._engines.receive_weights(self.spec)
             if send is not None:
                 sent = False
                 try:
@@ -352,7 +382,7 @@ class WeightUpdates:
         try:
             attempt()
         except WorkerError as exc:
-            if not self.link.survives(exc):
+            if not self._engines.survives(exc):
                 raise
             logger.warning(
                 "%s: %s died during a weight update; updating the others again", self.name, exc.worker
@@ -369,17 +399,19 @@ class WeightUpdates:
         if not partial:
             self.stale = None
         if self.kv_poisoned and not partial:
-            self.link.clear_kv_cache()
+            self._engines.clear_kv_cache()
             self.kv_poisoned = self.prefixes_cached = False
         if self.prefixes_cached:  # a generate may have filled it since the last reset
-            self.link.reset_prefix_cache()
+            self._engines.reset_prefix_cache()
             self.prefixes_cached = False
 
     def release(self) -> None:
         """Have the engines free what refits keep between them (``release_refit_buffers``)."""
-        self.link.release()
+        if self.link is not None:
+            self.link.release()
 
     def close(self) -> None:
         """At shutdown: forget the group; the link ends what it holds."""
         self._sender = None
-        self.link.close()
+        if self.link is not None:
+            self.link.close()

@@ -81,9 +81,13 @@ class SyncGroupSpec:
     port: int
     world_size: int
     backend: SyncBackend = "gloo"
-    #: How long a rank waits for the others (to join, or during a broadcast).
+    #: How long a rank waits for the others during a broadcast.
     timeout_s: float = 600.0
     secret: str = field(default_factory=auth.new_secret, repr=False)
+    #: How long a rank waits for every rank to join and authenticate (None: the lesser of 60 s
+    #: and ``timeout_s``): a rank that never comes, or a process without the secret in a rank's
+    #: slot, fails the join within it, not within ``timeout_s``.
+    join_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -101,6 +105,15 @@ class SyncGroupSpec:
             or self.timeout_s <= 0
         ):
             problems.append(f"timeout_s {self.timeout_s!r}: a finite number of seconds > 0")
+        elif self.join_timeout_s is not None and not (
+            isinstance(self.join_timeout_s, (int, float))
+            and math.isfinite(self.join_timeout_s)
+            and 0 < self.join_timeout_s <= self.timeout_s
+        ):
+            problems.append(
+                f"join_timeout_s {self.join_timeout_s!r}: a finite number of seconds > 0, at most "
+                f"timeout_s ({self.timeout_s}), or None"
+            )
         if not isinstance(self.address, str) or not self.address:
             problems.append(f"address {self.address!r}: the sender's host name or IP address")
         if not isinstance(self.secret, str) or len(self.secret) < 32:
@@ -111,6 +124,11 @@ class SyncGroupSpec:
     @property
     def where(self) -> str:
         return f"{self.address}:{self.port}"
+
+    @property
+    def join_deadline_s(self) -> float:
+        """How long a rank waits for the others to join and authenticate."""
+        return min(60.0, self.timeout_s) if self.join_timeout_s is None else self.join_timeout_s
 
 
 class SyncGroup:
@@ -140,6 +158,7 @@ class SyncGroup:
             self._store = store or open_store(spec, host=False)
             if rank != 0:
                 _check_record(self._store, spec)
+            _await_ranks(self._store, spec, rank)
             prefixed = dist.PrefixStore(_PREFIX, self._store)
             timeout = timedelta(seconds=spec.timeout_s)
             if spec.backend == "nccl":
@@ -153,11 +172,10 @@ class SyncGroup:
                 self.pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, gloo)
         except (RuntimeError, OSError) as exc:  # torch's DistError and gloo's errors are RuntimeErrors
             raise RefitError(
-                f"weight-sync rank {rank} could not join the group at {spec.where} within {spec.timeout_s} s "
+                f"weight-sync rank {rank} could not join the group at {spec.where} "
                 f"({type(exc).__name__}: {exc}). "
                 + (
-                    "No engine rank joined: call the generation's init_weight_sync(sender.spec) while "
-                    "connect() runs"
+                    "Call the generation's init_weight_sync(sender.spec) while connect() runs"
                     if rank == 0
                     else "Is the trainer's WeightSender up, at that address, with this spec?"
                 )
@@ -169,8 +187,10 @@ class SyncGroup:
         """Every rank proves it holds the secret: a tag over its rank and every rank's fresh
         nonce (no tag from an earlier group replays). Nothing else is sent before this passes."""
         world = str(self.spec.world_size).encode()
-        nonces = b"".join(self._allgather(auth.nonce()))
-        tags = self._allgather(auth.tag(self._key, b"rank", str(self.rank).encode(), world, nonces))
+        nonces = b"".join(self._allgather(auth.nonce(), self.spec.join_deadline_s))
+        tags = self._allgather(
+            auth.tag(self._key, b"rank", str(self.rank).encode(), world, nonces), self.spec.join_deadline_s
+        )
         strangers = [
             r
             for r, t in enumerate(tags)
@@ -186,26 +206,34 @@ class SyncGroup:
                 "init_weight_sync)"
             )
 
-    def _allgather(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data`` (all of one length) on every rank."""
+    def _allgather(self, data: bytes, within_s: float) -> list[bytes]:
+        """Every rank's ``data`` (all of one length) on every rank, within ``within_s``."""
         mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         out = [torch.empty_like(mine) for _ in range(self.spec.world_size)]
-        self.wait(self.pg.allgather([out], [mine]), "the ranks authenticated")
+        what = (
+            "the ranks authenticated: a rank that joined did not take part (a process without the secret "
+            "may hold its slot)"
+        )
+        self.wait(self.pg.allgather([out], [mine]), what, within_s)
         return [t.cpu().numpy().tobytes() for t in out]
 
-    def wait(self, work: Any, what: str) -> None:
-        """Wait for a collective (``work``), ``what`` naming it in the error.
+    def wait(self, work: Any, what: str, within_s: float | None = None) -> None:
+        """Wait for a collective (``work``) at most ``within_s`` (None: the spec's timeout_s),
+        ``what`` naming it in the error.
 
         Raises:
             RefitError: the collective failed, which breaks the group (``stale`` while an update
                 is being applied)."""
         try:
-            work.wait()
+            if within_s is None:  # the group's own timeout (NCCL: the stream waits, not this thread)
+                work.wait()
+            else:
+                work.wait(timedelta(seconds=within_s))
         except RuntimeError as exc:
             self.broken = f"{type(exc).__name__}: {exc}"
             raise RefitError(
                 f"weight-sync rank {self.rank}: the group at {self.spec.where} broke while {what} "
-                f"(within its {self.spec.timeout_s} s timeout, every rank must take part: {self.broken}); "
+                f"(within {within_s or self.spec.timeout_s} s every rank must take part: {self.broken}); "
                 + (
                     "the engines may hold part of the update. "
                     if self._applying
@@ -343,14 +371,42 @@ def _check_record(store: dist.TCPStore, spec: SyncGroupSpec) -> None:
     theirs, mac = stored[: -auth.TAG_BYTES], stored[-auth.TAG_BYTES :]
     if not auth.verify(spec.secret.encode(), (b"group", theirs), mac):
         raise RefitError(
-            f"the weight-sync group at {spec.where} is not this spec's (its secret differs): pass the "
-            "sender's own spec (rollgen.WeightSender(spec).spec) to init_weight_sync"
+            f"the record of the weight-sync store at {spec.where} failed its check against this spec's "
+            "secret: the store there is not this spec's sender's (another sender, or a process without "
+            "the secret, listens there or wrote it). Pass the sender's own spec "
+            "(rollgen.WeightSender(spec).spec) to init_weight_sync, on a network only the trainer and "
+            "the engines reach"
         )
     if theirs != _record(spec):
         raise RefitError(
             f"the weight-sync group at {spec.where} has {json.loads(theirs)['world_size']} ranks, this "
             f"spec {spec.world_size}: make one spec with the generation's weight_sync_spec"
         )
+
+
+def _await_ranks(store: dist.TCPStore, spec: SyncGroupSpec, rank: int) -> None:
+    """Say this rank has come, and wait within the join deadline for every rank to say so.
+
+    Raises:
+        RefitError: naming the ranks that did not come (the store is not authenticated: what it
+            says is what the ranks, or anyone reaching it, wrote)."""
+    keys = [f"{_PREFIX}/joined/{r}" for r in range(spec.world_size)]
+    store.set(keys[rank], b"1")  # type: ignore[arg-type]
+    try:
+        store.wait(keys, timedelta(seconds=spec.join_deadline_s))
+    except RuntimeError:  # torch's DistStoreError: the wait timed out
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RefitError(
+            f"weight-sync rank {rank}: rank(s) {missing} of {spec.world_size} did not join the group at "
+            f"{spec.where} within its join deadline "
+            f"({spec.join_deadline_s} s; SyncGroupSpec.join_timeout_s). "
+            + (
+                "Call the generation's init_weight_sync(sender.spec) while connect() runs, with every "
+                "engine up"
+                if rank == 0
+                else "Is the trainer's WeightSender connecting, and every engine rank up?"
+            )
+        ) from None
 
 
 def _gloo_device(spec: SyncGroupSpec, rank: int) -> Any:
@@ -393,7 +449,7 @@ def open_store(spec: SyncGroupSpec, host: bool) -> dist.TCPStore:
         port,
         spec.world_size,
         is_master=host,
-        timeout=timedelta(seconds=spec.timeout_s),
+        timeout=timedelta(seconds=spec.join_deadline_s),  # the store serves the join only
         wait_for_workers=False,
         master_listen_fd=fd,
     )

@@ -26,7 +26,7 @@ class Unreadable(torch.Tensor):
 def kill_replica(gen: Any, index: int) -> None:
     """SIGKILL data-parallel replica ``index``'s engine process (a ``RayGeneration``'s: its
     actor) and wait until it is gone: the engine death a fleet must survive."""
-    kill_process(gen.engine_info[index]["pid"])
+    kill_process(gen.engines.info(index)["pid"])
 
 
 def kill_process(pid: int) -> None:

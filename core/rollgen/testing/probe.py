@@ -68,8 +68,13 @@ class ProbeWorker:
         ctx = ray.get_runtime_context()
         return {"node": ctx.get_node_id(), "bundles": self.group.bundle_indices, "index": self.index}
 
-    def echo(self, shard: Any) -> Any:
-        return shard
+    def ready(self) -> dict[str, Any]:
+        """What an engine reports once started (``EngineWorker.ready``), of this probe."""
+        return {**self.where(), "pid": os.getpid(), "devices": [], "capacity": 1}
+
+    def generate(self, request: Any) -> Any:
+        """The shard's prompts, as they came (an ``EngineWorker.generate`` call, echoed)."""
+        return request.input_ids
 
     def fail(self) -> None:
         raise ZeroDivisionError("probe asked to fail")

@@ -12,7 +12,7 @@ from rollgen.base import BaseGeneration
 from rollgen.data import BatchedDataDict, right_pad
 from rollgen.errors import ConfigError
 from rollgen.output import assemble_output
-from rollgen.refit import WeightBucket, WeightSpec, device_uuid, load_into_module
+from rollgen.refit import EngineFacts, InProcessLink, Named, WeightSpec, device_uuid, load_into_module
 from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.streaming_loop import StepLoop
@@ -26,7 +26,6 @@ class HfGeneration(BaseGeneration):
     """Runs the model with transformers on one device. Logprobs are raw (log-softmax of the
     unprocessed logits) unless ``logprobs_mode="processed"``."""
 
-    local_transport = "tensors"
     #: The batched decoder each generate and each submitted request list runs in.
     decoder_cls: ClassVar[type[Decoder]] = Decoder
 
@@ -63,18 +62,18 @@ class HfGeneration(BaseGeneration):
             "rollgen-hf",
             lambda moved: self._streams.progress(moved),
         )
+        facts = EngineFacts(
+            transport="tensors",
+            devices=(device_uuid(self.device),) if self.device.type == "cuda" else (),
+            sync_device=self.device,
+        )
+        self.link_engine(
+            InProcessLink(facts, self._load_weights), weights=lambda: WeightSpec.of_module(self.model)
+        )
 
     @property
     def releases_memory_on_sleep(self) -> bool:
         return self.device.type == "cuda"
-
-    @property
-    def sync_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def engine_devices(self) -> tuple[str, ...]:
-        return (device_uuid(self.device),) if self.device.type == "cuda" else ()
 
     def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
         decoded = self._decoder(batch["input_ids"], batch["input_lengths"], params).run()
@@ -114,11 +113,10 @@ class HfGeneration(BaseGeneration):
         ids, lengths = right_pad([r.prompt_ids for r in requests], self.cfg["pad_token_id"], torch.long)
         return self._decoder(ids, lengths, [r.params for r in requests])
 
-    def _expected_weights(self) -> WeightSpec:
-        return WeightSpec.of_module(self.model)
-
-    def _apply_bucket(self, bucket: WeightBucket) -> None:
-        load_into_module(self.model, bucket.unpack())
+    def _load_weights(self, named: Named) -> None:
+        """Copy a validated update's tensors into the model (every decode prefills afresh: no
+        prefix cache to reset)."""
+        load_into_module(self.model, named)
 
     def _sleep(self) -> None:
         if self.device.type == "cuda":

@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 
-from rollgen import BaseGeneration, BatchedDataDict, WeightBucket
-from rollgen.errors import ConfigError, UnsupportedCapability, WorkerError
+from rollgen import BaseGeneration, BatchedDataDict
+from rollgen.errors import ConfigError, WorkerError
 from rollgen.output import assemble_from_lists
 from rollgen.rollout import FinishedSample, SampleRequest
 from rollgen.sampling import SampleParams
@@ -29,7 +29,8 @@ KEEPALIVE_EXPIRY_S = 2.0
 
 
 class RemoteGeneration(BaseGeneration):
-    local_transport = "tensors"
+    """No refit here: the trainer beside the server refits it (no engine is linked, and the
+    capabilities refuse refits)."""
 
     def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
         super().__init__(config, cluster=cluster, backend=backend)
@@ -159,11 +160,6 @@ class RemoteGeneration(BaseGeneration):
             self._call("POST", "/rollgen/cancel", {"request_id": f"{self._tag}:{key}"})
         except WorkerError as exc:
             logger.debug("cancel of %s: %s", key, exc)
-
-    def _apply_bucket(self, bucket: WeightBucket) -> None:
-        raise UnsupportedCapability(
-            self.name, "refit_tensors", "refit (the trainer beside the server refits)"
-        )
 
     def _shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

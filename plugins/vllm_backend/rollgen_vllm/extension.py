@@ -15,7 +15,7 @@ import time
 import torch
 
 from rollgen.errors import ConfigError
-from rollgen.refit import WeightSpec, device_uuid, release_staged, unpack_request
+from rollgen.refit import Receiver, WeightSpec, device_uuid
 from rollgen.refit.channel import ChannelServer
 from rollgen.refit.weight_sync import SyncGroup, SyncGroupSpec, receive
 from rollgen_vllm import logs
@@ -34,7 +34,7 @@ class RollgenWorkerExtension:
     @returns_errors
     def rollgen_load_bucket(self, layout: str, per_rank: list[bytes], replay: bool) -> None:
         """Load one pickled bucket of HF-named full tensors (``per_rank[rank]``) of ``layout``
-        (``refit.unpack_request``); each rank keeps its own shard."""
+        (``refit.Receiver.unpack``); each rank keeps its own shard."""
         self.rollgen_load_request(layout, per_rank[self.rollgen_rank], replay)
 
     def rollgen_load_request(self, layout: str, data: bytes | None, replay: bool) -> bool:
@@ -58,10 +58,12 @@ class RollgenWorkerExtension:
         )
         return True
 
-    def rollgen_open_channel(self, authkey: bytes, replay: bool, owner: int) -> str:
+    def rollgen_open_channel(self, authkey: bytes, replay: bool, owner: int, capacity: int) -> str:
         """Open this rank's refit channel (``rollgen.refit.channel``), which loads each
         request ``(layout, data)`` as ``rollgen_load_request`` does, while the processes up to
-        ``owner`` (the pid of the engine's actor) run; its address."""
+        ``owner`` (the pid of the engine's actor) run, keeping ``capacity`` layouts (as the
+        driver's mirror of them does); its address."""
+        self.rollgen_receiver = Receiver(self.rollgen_device(), capacity)
         self.rollgen_channel = ChannelServer(
             lambda request: self.rollgen_load_request(*request, replay),
             authkey,
@@ -69,6 +71,18 @@ class RollgenWorkerExtension:
             owner,
         )
         return self.rollgen_channel.address
+
+    @property
+    def rollgen_receiver(self) -> Receiver:
+        """This rank's end of refits: its unpacking, and the layouts it keeps."""
+        receiver: Receiver | None = getattr(self, "_rollgen_receiver", None)
+        if receiver is None:
+            receiver = self._rollgen_receiver = Receiver(self.rollgen_device())
+        return receiver
+
+    @rollgen_receiver.setter
+    def rollgen_receiver(self, receiver: Receiver) -> None:
+        self._rollgen_receiver = receiver
 
     @property
     def rollgen_rank(self) -> int:
@@ -92,7 +106,7 @@ class RollgenWorkerExtension:
         """Unmap the trainer's staging buffers ``keys`` (``rollgen.refit.staging``)."""
         if hasattr(self, "rollgen_load_plans"):
             self.rollgen_load_plans.forget_kept()
-        release_staged(keys)
+        self.rollgen_receiver.release(keys)
 
     def rollgen_device(self) -> torch.device:
         return self.device if torch.cuda.is_available() else torch.device("cpu")
@@ -112,9 +126,9 @@ class RollgenWorkerExtension:
         self, layout: str, data: bytes | None
     ) -> tuple[list[tuple[str, torch.Tensor]], bool] | None:
         """This rank's bucket as named tensors (CUDA IPC: mapped on this worker's GPU), and
-        whether they are kept (a kept layout's: ``refit.unpack_request``); None: ``data`` is
+        whether they are kept (a kept layout's: ``refit.Receiver.unpack``); None: ``data`` is
         None and the layout is not held here."""
-        return unpack_request(layout, data, self.rollgen_device())
+        return self.rollgen_receiver.unpack(layout, data)
 
     def rollgen_load(
         self, named: list[tuple[str, torch.Tensor]], replay: bool, kept: bool = False

@@ -61,4 +61,4 @@ class VllmGeneration(RayGeneration):
         ``vllm_kwargs["worker_extension_cls"]`` subclassing
         ``rollgen_vllm.extension.RollgenWorkerExtension``, its own methods are reachable too."""
         self._check_open()
-        return self.group.call_all(VllmWorker.collective_rpc, method, args, kwargs)
+        return self.engines.call(VllmWorker.collective_rpc, method, args, kwargs)

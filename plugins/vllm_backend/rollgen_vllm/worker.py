@@ -13,7 +13,7 @@ from typing import Any
 
 from rollgen.distributed.worker import EngineWorker, WorkerSpec
 from rollgen.errors import RollgenError
-from rollgen.refit import WeightBucket, WeightSpec
+from rollgen.refit import WeightBucket, WeightSpec, transport_named
 from rollgen.refit.weight_sync import SyncGroupSpec
 from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
@@ -207,10 +207,10 @@ class VllmWorker(EngineWorker):
         self._load_per_rank("", [pickle.dumps(bucket) for _ in range(self.spec.tensor_parallel_size)])
 
     def _load_request(self, layout: str, data: bytes, transport: str) -> None:
-        if transport != "cuda_ipc":
+        if not transport_named(transport).shared_pickle:  # one pickle per rank, made here
             super()._load_request(layout, data, transport)
             return
-        # handles of GPU buffers, not memory: every rank takes the driver's pickle as it is
+        # the tensors, or handles of GPU buffers: every rank takes the driver's pickle as it is
         self._load_per_rank(layout, [data] * self.spec.tensor_parallel_size)
 
     def _load_per_rank(self, layout: str, per_rank: list[bytes]) -> None:
@@ -218,11 +218,11 @@ class VllmWorker(EngineWorker):
             RollgenWorkerExtension.rollgen_load_bucket, layout, per_rank, self.spec.engine["replay_refit"]
         )
 
-    def _open_channels(self, authkey: bytes) -> list[str]:
+    def _open_channels(self, authkey: bytes, capacity: int) -> list[str]:
         replay = self.spec.engine["replay_refit"]
         # a rank in a process of the engine's own (its engine core, its workers) outlives this
         # actor's death for a moment: it answers as the engine's death once this process is gone
-        return self._rpc(RollgenWorkerExtension.rollgen_open_channel, authkey, replay, os.getpid())
+        return self._rpc(RollgenWorkerExtension.rollgen_open_channel, authkey, replay, os.getpid(), capacity)
 
     def _release_staged(self, keys: list[str]) -> None:
         self._rpc(RollgenWorkerExtension.rollgen_release_staged, keys)

@@ -3,26 +3,26 @@ engine of docs/writing-a-backend.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollgen import BaseGeneration, BatchedDataDict, WeightBucket
+from rollgen import BaseGeneration, BatchedDataDict
 from rollgen.output import assemble_from_lists
-from rollgen.refit import load_into_module
+from rollgen.refit import EngineFacts, InProcessLink, load_into_module
 from rollgen.sampling import SampleParams, process_logits
 
 
 class ExampleGeneration(BaseGeneration):
-    local_transport = "tensors"
-
     def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
         super().__init__(config, cluster=cluster, backend=backend)
         self.model = AutoModelForCausalLM.from_pretrained(
             self.cfg["model_name"], dtype=self.engine_dtype
         ).eval()
+        # refits: the tensors themselves, handed to _load_weights (no prefix cache to reset)
+        self.link_engine(InProcessLink(EngineFacts(transport="tensors"), self._load_weights))
 
     @torch.no_grad()
     def _generate(self, batch: BatchedDataDict[Any], params: list[SampleParams]) -> BatchedDataDict[Any]:
@@ -51,5 +51,5 @@ class ExampleGeneration(BaseGeneration):
             batch["input_ids"], batch["input_lengths"], rows, logprobs, self.cfg["pad_token_id"]
         )
 
-    def _apply_bucket(self, bucket: WeightBucket) -> None:
-        load_into_module(self.model, bucket.unpack())
+    def _load_weights(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        load_into_module(self.model, named)

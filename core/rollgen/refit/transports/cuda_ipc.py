@@ -1,6 +1,6 @@
-"""CUDA IPC, both ends: the trainer's exports of flat buffers (one per engine GPU, keyed by device
-UUID) and of its own storages read in place, and the receiver's mappings of them (kept under their
-key until released)."""
+"""CUDA IPC, both ends (``cuda_ipc``): the trainer's exports of flat buffers (one per engine GPU,
+keyed by device UUID) and of its own storages read in place, and the receiver's mappings of them
+(kept under their key until released). For trainer and engines colocated on the same GPUs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from rollgen.errors import RefitError
-from rollgen.refit.meta import TensorMeta, flatten, mirror
+from rollgen.refit.meta import TensorMeta, flat_offsets, flatten, mirror, unflatten
+from rollgen.refit.transports.base import BucketTransport, Packed, Packet, register
+from rollgen.spec import Capability
 
 
 @dataclass(frozen=True)
@@ -145,3 +147,55 @@ def mapped(handle: IpcHandle, index: int) -> torch.Tensor:
     if handle.key is not None:
         _staged[handle.key] = buf
     return buf
+
+
+class CudaIpc(BucketTransport):
+    """CUDA IPC handles keyed by device UUID: zero-copy for engines on the trainer's GPUs. A
+    pickle of handles of GPU buffers may go to every receiver as it is (each maps it on its own
+    GPU); a kept layout's bucket carries each receiver's own exports
+    (``WeightBucket.for_receiver``), which it keeps mapped under their keys until ``release``."""
+
+    name = "cuda_ipc"
+    capability = Capability.REFIT_IPC
+    stages = True
+
+    def pack(
+        self, tensors: list[torch.Tensor], metas: tuple[TensorMeta, ...], devices: Sequence[str] | None
+    ) -> Packed:
+        offsets = flat_offsets(m.nbytes for m in metas)
+        payload, held = ipc_handles(tensors, metas, offsets, devices)
+        return Packed(payload, offsets, held)
+
+    def check_reach(self, payload: Any, engine_devices: Sequence[str]) -> None:
+        engine_devices = list(engine_devices)
+        missing = sorted(set(engine_devices) - set(payload))
+        if missing:
+            raise RefitError(
+                f"refit over CUDA IPC: the engines run on GPUs {engine_devices}, the update holds "
+                f"tensors on {sorted(payload)} only; nothing was sent. CUDA IPC needs the "
+                "trainer's tensors on every engine GPU: with trainer ranks colocated on them, pack "
+                "buckets on each rank and merge them (rollgen.merge_buckets); otherwise refit over a "
+                "weight-sync group (docs/contract.md, 'Where the trainer is')",
+                [f"no handle for engine GPU {uuid}" for uuid in missing],
+            )
+
+    def merge(self, payloads: Sequence[Any]) -> Any:
+        merged: dict[str, Any] = {}
+        for rank, payload in enumerate(payloads):
+            shared = sorted(set(merged) & set(payload))
+            if shared:
+                raise RefitError(f"rank {rank} is on GPU(s) {shared} as another rank is")
+            merged.update(payload)
+        return merged
+
+    def unpack(self, bucket: Packet, device: torch.device | str | None) -> list[torch.Tensor]:
+        entry, index = gpu_entry(bucket.payload, device)
+        if isinstance(entry, InPlaceViews):
+            return entry.views(bucket.metas, index)
+        return unflatten(mapped(entry, index), bucket.metas, bucket.offsets)
+
+    def release(self, keys: Iterable[str]) -> None:
+        unmap(keys)
+
+
+CUDA_IPC = register(CudaIpc())
