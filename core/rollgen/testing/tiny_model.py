@@ -54,6 +54,8 @@ AGENT_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _RECIPE_VERSION = 3
+#: Part of the agent model's key: raise it when the conversations it is trained on change
+#: (``rollgen.testing.tool_use``), so that a cached build of the old ones is not taken for it.
 _AGENT_RECIPE_VERSION = 1
 
 
