@@ -7,13 +7,17 @@ export TOKENIZERS_PARALLELISM := false
 LAYOUT_ONLY := -k "not (seeded_reproducibility or stop_token_ids or generation_config_eos)"
 CONFORMANCE := $(PY) -m pytest -p rollgen.conformance --pyargs rollgen.conformance.suite -p no:cacheprovider -q -rs
 
-.PHONY: venv demo test lint test-unit test-conformance test-gpu
+.PHONY: venv demo demo-agent test lint test-unit test-conformance test-gpu
 
 venv:
 	@bash scripts/bootstrap.sh
 
 demo: venv
 	$(VENV)/bin/rollgen demo
+
+# The agentic counterpart (docs/agent-demo.md): tool-using episodes through rollgen serve and the openai SDK.
+demo-agent: venv
+	$(VENV)/bin/rollgen demo --agent
 
 test: venv lint test-unit test-conformance
 

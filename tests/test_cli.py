@@ -79,3 +79,11 @@ def test_conformance_forwards_allow_unavailable() -> None:
     refused = rollgen("conformance", "no-such-backend", "-q")
     assert refused.returncode == pytest.ExitCode.USAGE_ERROR, f"exit {refused.returncode}"
     assert f"ERROR: rollgen conformance: {NOT_FOUND}" in refused.stderr, refused.stderr
+
+
+def test_tiny_model_prints_the_folder(model_dir: str) -> None:
+    from rollgen.testing import tiny_model_dir
+
+    plain, agent = rollgen("tiny-model"), rollgen("tiny-model", "--agent")
+    assert (plain.returncode, plain.stdout.strip()) == (0, model_dir), plain.stderr
+    assert (agent.returncode, agent.stdout.strip()) == (0, tiny_model_dir(agent=True)), agent.stderr

@@ -1,4 +1,4 @@
-"""The ``rollgen`` command: backends, generate, demo, serve, conformance.
+"""The ``rollgen`` command: backends, generate, demo, tiny-model, serve, conformance.
 
 A rollgen error (``RollgenError``: an unknown backend, a bad config, ...) ends a command with its
 message alone on stderr and exit status 1; ``rollgen --debug ...`` or ``ROLLGEN_DEBUG=1`` shows
@@ -150,12 +150,46 @@ def generate(
 def demo(
     backend: str = typer.Option("hf", help="backend name"),
     config: str | None = typer.Option(None, help="JSON merged into the config"),
+    agent: bool = typer.Option(
+        False,
+        "--agent",
+        help="the agentic demo: tool-using episodes through rollgen serve and the openai SDK",
+    ),
+    steps: int | None = typer.Option(None, min=1, help="RL steps (default: the demo's)"),
 ) -> None:
     """The main job on the embedded tiny model: a few RL steps (generate → reward → update →
-    refit → generate) where the reward rises and engine and trainer logprobs agree."""
-    from rollgen.demo import run_demo
+    refit → generate) where the reward rises and engine and trainer logprobs agree. With
+    ``--agent``: the same through ``rollgen serve``, with agent code on the openai SDK calling a
+    tool over multi-turn sessions, and the reward for correct tool use rising (docs/agent-demo.md)."""
+    if agent:
+        from rollgen.agent_demo import AgentDemoSettings, run_agent_demo
+        from rollgen.testing.tiny_model import tiny_model_dir
 
-    run_demo(backend, _config(backend, None, 12, config), console)
+        settings = AgentDemoSettings(**({"steps": steps} if steps else {}))
+        cfg = _config(backend, tiny_model_dir(agent=True), settings.max_tokens, config)
+        run_agent_demo(backend, cfg, console, settings)
+        return
+    from rollgen.demo import DemoSettings, run_demo
+
+    run_demo(
+        backend,
+        _config(backend, None, 12, config),
+        console,
+        DemoSettings(**({"steps": steps} if steps else {})),
+    )
+
+
+@app.command("tiny-model")
+def tiny_model(
+    agent: bool = typer.Option(
+        False, "--agent", help="the agent variant: 2,048 positions, a chat template with tools"
+    ),
+) -> None:
+    """Print the folder of the embedded tiny model (built on first use, then cached under
+    ROLLGEN_CACHE_DIR): a local Hugging Face model folder for any config's ``model_name``."""
+    from rollgen.testing.tiny_model import tiny_model_dir
+
+    typer.echo(tiny_model_dir(agent=agent))
 
 
 def read_config(source: str) -> dict[str, Any]:

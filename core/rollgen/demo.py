@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 import rollgen
 from rollgen.output import generated_mask
+from rollgen.testing.grpo import group_advantages, policy_loss, sequence_logprobs, update_and_refit
 from rollgen.testing.prompts import PROMPTS, encode, generated_texts
 from rollgen.testing.reference import agreement, load_reference_model
 
@@ -53,14 +54,6 @@ class DemoSettings:
     learning_rate: float = 2e-3
 
 
-def trainer_logprobs(policy: Any, out: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The policy's logprob of every token after the first (with gradients), [B, W - 1]."""
-    ids, ends = out["output_ids"], out["unpadded_sequence_lengths"]
-    mask = torch.arange(ids.shape[1]).unsqueeze(0) < ends.unsqueeze(1)
-    logits = policy(input_ids=ids, attention_mask=mask.long()).logits.float()
-    return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-
-
 def rl_step(
     gen: Any,
     policy: Any,
@@ -74,20 +67,10 @@ def rl_step(
     texts = generated_texts(gen.tokenizer, out, batch, skip_special=True)
     rewards = torch.tensor([reward(p, t) for p, t in zip(prompts, texts)])
     lengths = out["generation_lengths"].float()
-    grouped = rewards.view(-1, group)
-    advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).flatten()
     mask = generated_mask(out, batch["input_lengths"])[:, 1:]
-    logp = trainer_logprobs(policy, out)
-    engine_logp = out["logprobs"][:, 1:]
-    stats = agreement(engine_logp, logp.detach(), mask)
-    loss = -(advantages.unsqueeze(1) * logp * mask).sum() / mask.sum()
-    gen.finish_generation()  # the engine sleeps while the trainer trains
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-    gen.prepare_for_generation(tags=["weights"])
-    gen.refit(policy, dtype=gen.engine_dtype)
-    gen.prepare_for_generation(tags=["kv_cache"])
+    logp = sequence_logprobs(policy, out["output_ids"], out["unpadded_sequence_lengths"])
+    stats = agreement(out["logprobs"][:, 1:], logp.detach(), mask)
+    update_and_refit(gen, policy, optimizer, policy_loss(logp, mask, group_advantages(rewards, group)))
     return {
         "reward": float(rewards.mean()),
         "length": float(lengths.mean()),
