@@ -213,7 +213,7 @@ def breakdown(gen: Any, states: list[dict[str, torch.Tensor]], repeats: int, pat
     round_trips = [timed(partial(channel_round_trip, channels)) for _ in range(repeats)] if channels else []
     groups = list(bucket_groups(states[0]))
     staging = RefitStaging()
-    staging.allocate(sorted(set(gen.engine_devices)), max(flat_sizes(groups, None)))
+    staging.allocate(sorted(set(gen.updates.facts.devices)), max(flat_sizes(groups, None)))
     packs = [timed(lambda: [staging.pack(g, None, False) for g in groups]) for _ in range(repeats)]
     staging.release()
     torch.cuda.empty_cache()
@@ -280,7 +280,7 @@ def ephemeral(gen: Any, state: dict[str, torch.Tensor], repeats: int) -> dict[st
     fresh flat buffers each time, which the engine maps and unmaps (median after one warm-up)."""
 
     def send() -> None:
-        gen.update_weights(iter_buckets(state, gen.local_transport, devices=gen.engine_devices))
+        gen.update_weights(iter_buckets(state, gen.local_transport, devices=gen.updates.facts.devices))
 
     times = [timed(send) for _ in range(repeats + 1)][1:]
     return {**bucket_fields(0, state), "ephemeral_refit_ms": statistics.median(times) * 1e3}

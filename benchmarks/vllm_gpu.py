@@ -188,7 +188,7 @@ def close_raw(llm: Any) -> None:
 
 def engine_device(gen: Any) -> torch.device:
     """The local CUDA device the (TP=1) engine runs on, found by its GPU's UUID."""
-    uuid = gen.engine_devices[0]
+    uuid = gen.updates.facts.devices[0]
     for i in range(torch.cuda.device_count()):
         if device_uuid(i) == uuid:
             return torch.device("cuda", i)

@@ -243,7 +243,7 @@ def test_benchmark_extension_profiles_and_times_through_collective_rpc(bench_vll
     from rollgen.testing import load_reference_model
     from rollgen.testing.prompts import PROMPTS, encode
 
-    assert bench_vllm.engine_devices == ()
+    assert bench_vllm.updates.facts.devices == ()
     state = load_reference_model(model_dir).state_dict()  # the served weights: outputs stay as they are
     row = refit.profile(bench_vllm, state, bucket_mib=1)
     assert row["loaded_by"] == "loaded" and row["map_ms"] >= 0 and row["load_ms"] > 0
