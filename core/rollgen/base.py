@@ -16,7 +16,8 @@ from rollgen.data import BatchedDataDict, unpad
 from rollgen.errors import EngineClosed, RolloutsInFlight, UnsupportedCapability, WorkerError
 from rollgen.model_info import ModelInfo
 from rollgen.output import empty_output, finish_output, stop_reason
-from rollgen.refit import SyncBackend, SyncGroupSpec, TensorMeta, Transport, WeightBucket, WeightSpec
+from rollgen.refit import SyncBackend, SyncGroupSpec, Transport, WeightBucket, WeightSpec
+from rollgen.refit.adapters import RefitTarget, is_adapter
 from rollgen.refit.bucket import as_buckets
 from rollgen.refit.link import EngineLink
 from rollgen.refit.transports import transport_named
@@ -96,10 +97,12 @@ class BaseGeneration(ABC):
             self._stream_stop_reason,
             lambda: self.updates.nonfinite_logprobs(),
         )
+        lora = self.cfg.get("lora")
+        if lora is not None:
+            self.require(Capability.ADAPTERS, "lora (LoRA adapters)")
         #: This generation's weight updates: their state and their lifecycle.
-        self.updates = WeightUpdates(
-            self.name, lambda: self.model_info.weight_spec(self.engine_dtype), self._streams
-        )
+        spec = lambda: self.model_info.weight_spec(self.engine_dtype)  # noqa: E731 - read once, lazily
+        self.updates = WeightUpdates(self.name, spec, self._streams, lora)
         seed = self.cfg.get("seed")
         self._seed_rng = None if seed is None else torch.Generator().manual_seed(int(seed))
         if self.cfg.get("logprobs_mode") == "processed":
@@ -227,13 +230,13 @@ class BaseGeneration(ABC):
             self.require(Capability.PER_SAMPLE_SAMPLING, "per-sample sampling settings")
         if batch.size and "seed" not in batch and self._seed_rng is not None and not greedy:
             batch["seed"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_rng)
-        params = resolve_sampling(self.cfg, batch, greedy, self.max_model_len, self.model_info.eos_token_ids)
-        return batch, params
+        return batch, self.sample_params(batch, greedy)
 
     def sample_params(self, batch: Mapping[str, Any], greedy: bool) -> list[SampleParams]:
         """Per-sample settings for a validated batch, as ``generate`` resolves them (the config's,
-        the batch's per-sample values, the context's limit on each budget)."""
-        return resolve_sampling(self.cfg, batch, greedy, self.max_model_len, self.model_info.eos_token_ids)
+        the batch's per-sample values, the context's limit on each budget, the current adapter)."""
+        info, adapter = self.model_info, self._streams.adapter
+        return resolve_sampling(self.cfg, batch, greedy, self.max_model_len, info.eos_token_ids, adapter)
 
     def _hits_stop_string(self, params: SampleParams, tokens: list[int]) -> bool:
         """Whether ``tokens`` (a sample's generated tokens) hold one of its stop strings
@@ -249,21 +252,15 @@ class BaseGeneration(ABC):
         return self._tokenizer
 
     def generate_text(self, data: Mapping[str, Any], greedy: bool = False) -> BatchedDataDict[Any]:
-        """Generate for text prompts; returns ``{"texts": [str, ...]}``, each cut before the first
-        stop string it holds (special tokens skipped).
-
-        Args:
-            data: ``{"prompts": [str, ...]}``, optionally ``stop_strings`` per prompt.
-
-        Raises:
-            InputError: for other data, or a prompt that encodes to no tokens."""
+        """Generate for text prompts ``{"prompts": [str, ...]}`` (optionally ``stop_strings`` per
+        prompt); returns ``{"texts": [str, ...]}``, each cut before the first stop string it holds
+        (special tokens skipped). InputError: other data, or a prompt that encodes to no tokens."""
         self._check_open()
         self.require(Capability.TEXT, "generate_text")
         batch = text.prompt_batch(self.tokenizer, data, self.cfg["pad_token_id"])
         if batch is None:
             return BatchedDataDict({"texts": []})
-        out = self.generate(batch, greedy=greedy)
-        stops = self.cfg.get("stop_strings") or ()
+        out, stops = self.generate(batch, greedy=greedy), self.cfg.get("stop_strings") or ()
         return BatchedDataDict({"texts": text.texts(self.tokenizer, batch, out, stops)})
 
     # ---- streamed rollouts ----------------------------------------------------------------------
@@ -379,14 +376,6 @@ class BaseGeneration(ABC):
         """The dtype the engine holds weights in."""
         return self.model_info.dtype(self.cfg.get("dtype", "auto"))
 
-    def check_weights(self, metas: Iterable[TensorMeta], partial: bool = False) -> None:
-        """Check tensors (``metas``: names, shapes, dtypes) against the served model.
-
-        Raises:
-            RefitError: listing every mismatch, and what of the model they leave out
-                (``partial``: of the module groups they send)."""
-        self.updates.check(metas, partial)
-
     @property
     def weight_sync(self) -> SyncGroupSpec | None:
         """The spec of the weight-sync group the engines joined (``init_weight_sync``), if any."""
@@ -399,13 +388,15 @@ class BaseGeneration(ABC):
         *,
         partial: bool = False,
         mode: UpdateMode = "wait",
+        target: RefitTarget = "weights",
     ) -> None:
         """Apply buckets packed by ``rollgen.iter_buckets`` (in this or another process; checked
         there for NaN and infinite values).
 
         Args:
             buckets: one ``WeightBucket`` or several. partial: they cover whole module groups,
-                not the whole model. mode: what happens to streamed samples in flight.
+                not the whole model. mode: what happens to streamed samples in flight. target:
+                as in ``refit`` (an adapter comes in one bucket).
 
         Raises:
             RefitError: before anything is applied, for buckets that do not match the served
@@ -417,7 +408,11 @@ class BaseGeneration(ABC):
         items = as_buckets(buckets)
         for transport in dict.fromkeys(b.transport for b in items):
             self.require(transport_named(transport).capability, f"refit over {transport}")
-        self.updates.apply_buckets(items, partial, mode)
+        if is_adapter(target, partial, len(items)):
+            self.require(Capability.ADAPTERS, "an adapter update")
+            self.updates.apply_adapter_bucket(items[0], mode)
+        else:
+            self.updates.apply_buckets(items, partial, mode)
 
     @serialised
     def refit(
@@ -429,9 +424,12 @@ class BaseGeneration(ABC):
         partial: bool = False,
         check_finite: bool = True,
         mode: UpdateMode = "wait",
+        target: RefitTarget = "weights",
     ) -> None:
         """Push a local model or state dict into the engine, in bounded buckets over
-        ``local_transport``.
+        ``local_transport``; or, with ``target="adapter"``, a LoRA adapter (a PEFT model or its
+        state dict, the config's ``lora``) as a new adapter version, in one bucket: samples in
+        flight under ``keep`` finish on their version.
 
         Args:
             source: a module or a state dict. bucket_bytes: None: the size the first such
@@ -451,7 +449,11 @@ class BaseGeneration(ABC):
         self._check_open()
         self._awake.require(["weights"], "refit")
         self.require(transport_named(self.local_transport).capability, "refit")
-        self.updates.refit(source, bucket_bytes, dtype, partial, check_finite, mode)
+        if is_adapter(target, partial):
+            self.require(Capability.ADAPTERS, "refit(target='adapter')")
+            self.updates.refit_adapter(source, dtype, check_finite, mode)
+        else:
+            self.updates.refit(source, bucket_bytes, dtype, partial, check_finite, mode)
 
     @serialised
     def release_refit_buffers(self) -> None:

@@ -11,6 +11,7 @@ import torch
 from rollgen.data import BatchedDataDict
 from rollgen.model_info import ModelInfo
 from rollgen.refit import Transport, WeightBucket, WeightSpec
+from rollgen.refit.adapters import RefitTarget
 from rollgen.refit.weight_sync import SyncBackend, SyncGroupSpec
 from rollgen.rollout import InFlightSample, ReplicaLoad, Rollout, UpdateMode
 from rollgen.spec import Capability
@@ -103,8 +104,10 @@ class GenerationInterface(Protocol):
         *,
         partial: bool = False,
         mode: UpdateMode = "wait",
+        target: RefitTarget = "weights",
     ) -> None:
-        """Apply packed weight buckets (validated first; RefitError leaves old weights)."""
+        """Apply packed weight buckets (validated first; RefitError leaves old weights), or
+        (``target="adapter"``) one adapter bucket."""
 
     def refit(
         self,
@@ -115,9 +118,11 @@ class GenerationInterface(Protocol):
         partial: bool = False,
         check_finite: bool = True,
         mode: UpdateMode = "wait",
+        target: RefitTarget = "weights",
     ) -> None:
-        """Push a local model or state dict into the engine (validated, bucketed). ``mode``: what
-        happens to streamed samples in flight."""
+        """Push a local model or state dict into the engine (validated, bucketed), or
+        (``target="adapter"``) a LoRA adapter as a new adapter version. ``mode``: what happens to
+        streamed samples in flight."""
 
     def release_refit_buffers(self) -> None:
         """Free the buffers ``refit`` keeps between refits (CUDA IPC staging buffers)."""

@@ -482,6 +482,8 @@ class Streams:
         self._updating = False
         #: How many weight updates completed: the version new tokens are made with.
         self.version = 0
+        #: The adapter version samples start (or continue) with (None: the model alone).
+        self.adapter: int | None = None
 
     @property
     def in_flight(self) -> int:
@@ -530,6 +532,8 @@ class Streams:
                 s.versions.pop()
             if not s.versions or s.versions[-1][0] != self.version:
                 s.versions.append((self.version, len(s.token_ids)))
+            if s.params.adapter != self.adapter:
+                s.params = dataclasses.replace(s.params, adapter=self.adapter)
             s.started = time.monotonic()
             s.progress = []
             self._running[s.key] = s
@@ -540,6 +544,11 @@ class Streams:
                 self._running.pop(s.key, None)
                 s.rollout._fail(exc)
             raise
+
+    def adapters_in_use(self) -> set[int]:
+        """The adapter versions running samples decode with."""
+        with self._cond:
+            return {a for s in self._running.values() if (a := s.params.adapter) is not None}
 
     def cancel(self, rollout: Rollout, indices: list[int]) -> None:
         wanted = set(indices)
@@ -653,17 +662,19 @@ class Streams:
         )
 
     @contextmanager
-    def update(self, mode: UpdateMode, fresh: Callable[[], bool]) -> Iterator[None]:
+    def update(self, mode: UpdateMode, fresh: Callable[[], bool], interrupt: bool = True) -> Iterator[None]:
         """Around a weight update: first deal with the samples in flight as ``mode`` says
         (waiting for the engine to end them), then apply the update in the body, then start the
         held samples (``keep``: continuing under the new version). An update that fails leaves
         the version as it was; where it left the engine stale (``fresh()`` False), the samples
-        held for it end ``aborted`` (with the tokens they have)."""
+        held for it end ``aborted`` (with the tokens they have). Without ``interrupt`` (a
+        ``keep`` update of an adapter: the old version stays in the engine) running samples go
+        on untouched under theirs; new ones wait for the update."""
         if mode not in UPDATE_MODES:
             raise InputError(f"update mode {mode!r}: use one of {list(UPDATE_MODES)}")
         with self._cond:
             self._updating = True
-            running = list(self._running.values())
+            running = list(self._running.values()) if interrupt else []
             if mode != "wait":
                 for s in running:
                     s.ending = s.ending or ("aborted" if mode == "abort" else "continue")
@@ -671,7 +682,7 @@ class Streams:
             if running and mode != "wait":
                 self._abort([s.key for s in running])
             with self._cond:
-                self._cond.wait_for(lambda: not self._running)
+                self._cond.wait_for(lambda: not (interrupt and self._running))
             yield
             with self._cond:
                 self.version += 1

@@ -22,6 +22,8 @@ class SampleParams:
     stop_strings: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     seed: int | None
+    #: The adapter version it decodes with (``rollgen.refit.adapters``; None: the model alone).
+    adapter: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -34,9 +36,11 @@ def resolve_sampling(
     greedy: bool,
     max_model_len: int,
     eos_token_ids: tuple[int, ...] = (),
+    adapter: int | None = None,
 ) -> list[SampleParams]:
     """One SampleParams per sample of ``data``. ``max_new_tokens`` is capped so that prompt plus
-    generation fits in ``max_model_len``; the model's ``eos_token_ids`` join the stop ids."""
+    generation fits in ``max_model_len``; the model's ``eos_token_ids`` join the stop ids; every
+    sample decodes with ``adapter``."""
     batch = data["input_ids"].shape[0]
     lengths = data["input_lengths"].tolist()
 
@@ -62,6 +66,7 @@ def resolve_sampling(
             stop_strings=tuple(dict.fromkeys(base_stops + tuple(stops[i] or ()))),
             stop_token_ids=stop_ids,
             seed=None if seeds[i] is None else int(seeds[i]),
+            adapter=adapter,
         )
         for i in range(batch)
     ]

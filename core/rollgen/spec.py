@@ -25,6 +25,8 @@ class Capability(str, Enum):
     TENSOR_PARALLEL = "tensor_parallel"
     DATA_PARALLEL = "data_parallel"
     ASYNC = "async"
+    #: LoRA adapters refitted alone, versioned (the config's ``lora``; ``refit(..., target="adapter")``).
+    ADAPTERS = "adapters"
 
     def __str__(self) -> str:
         return self.value
@@ -56,6 +58,31 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 PositiveInt = Annotated[int, Field(gt=0)]
 
 
+#: The linear layers a LoRA setup adapts unless it names others (every projection of a Llama- or
+#: Qwen-style decoder layer).
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(TypedDict):
+    """The LoRA adapters a generation serves (``lora`` of the config; backends with the
+    ``adapters`` capability). An adapter adds ``alpha / rank · B·A`` to each target linear layer's
+    weight; PEFT's state-dict names (``rollgen.refit.adapters``)."""
+
+    __pydantic_config__ = STRICT  # type: ignore[misc]
+
+    rank: Annotated[int, Field(gt=0, le=1024)]
+    #: None: ``rank`` (a scaling of 1).
+    alpha: NotRequired[Annotated[float | None, Field(default=None, gt=0.0, allow_inf_nan=False)]]
+    #: The layers' names (the last part of a module's name: ``q_proj``).
+    target_modules: NotRequired[
+        Annotated[list[str], Field(default_factory=lambda: list(DEFAULT_LORA_TARGETS), min_length=1)]
+    ]
+    #: How many adapter versions an engine holds at once: the current one, and older ones that
+    #: samples in flight (a ``keep`` update) still decode with. An adapter refit that would need
+    #: one more while every older version is in use is refused.
+    max_versions: NotRequired[Annotated[int, Field(default=3, ge=2, le=64)]]
+
+
 class GenerationConfig(TypedDict):
     """Keys shared by every backend, with their bounds and defaults. Engine keys live in
     ``<engine>_cfg`` / ``<engine>_kwargs``."""
@@ -75,6 +102,8 @@ class GenerationConfig(TypedDict):
     logprobs_mode: NotRequired[Annotated[Literal["raw", "processed"], Field(default="raw")]]
     dtype: NotRequired[Annotated[Literal["float32", "bfloat16", "float16", "auto"], Field(default="auto")]]
     max_model_len: NotRequired[Annotated[PositiveInt | None, Field(default=None)]]
+    #: LoRA adapters (backends with the ``adapters`` capability); None: the model alone.
+    lora: NotRequired[Annotated[LoraConfig | None, Field(default=None)]]
 
 
 _Sub = TypeVar("_Sub")

@@ -18,7 +18,7 @@ import torch
 
 from rollgen.distributed.replicas import Replicas
 from rollgen.distributed.worker import EngineWorker
-from rollgen.errors import WorkerError
+from rollgen.errors import RefitError, WorkerError
 from rollgen.refit import Named, WeightBucket, WeightSpec, channel
 from rollgen.refit.channel import EngineChannels
 from rollgen.refit.in_place import InPlaceSources
@@ -152,6 +152,12 @@ class RayLink:
         finally:
             if bucket.layout:  # after a failure, the next refit writes what others may still read
                 ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
+
+    def apply_adapter(self, version: int, bucket: WeightBucket) -> None:
+        raise RefitError(f"{self.name}: adapters do not reach Ray engines yet")
+
+    def drop_adapter(self, version: int) -> None:
+        """No Ray engine holds adapters yet."""
 
     def reset_prefix_cache(self) -> None:
         self.replicas.call(EngineWorker.reset_prefix_cache)

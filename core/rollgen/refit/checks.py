@@ -72,37 +72,48 @@ def check_bucket_bytes(bucket_bytes: Any) -> None:
         )
 
 
-def check_against_spec(metas: Iterable[TensorMeta], expected: WeightSpec, partial: bool = False) -> None:
-    """Check an update's tensors against the served model's.
+def check_against_spec(
+    metas: Iterable[TensorMeta], expected: WeightSpec, partial: bool = False, adapter: bool = False
+) -> None:
+    """Check an update's tensors against the served model's (``adapter``: against the engine's
+    adapter spec, which a refit sends whole).
 
     Args:
         metas: the update's names, shapes and dtypes.
-        expected: the served model's ``WeightSpec``.
+        expected: the served model's ``WeightSpec`` (or the adapter's).
         partial: the update need cover only the module groups it sends.
 
     Raises:
         RefitError: listing every unknown name, shape or dtype mismatch, and every tensor of
             the served model the update leaves out."""
     metas = list(metas)
+    of = "the engine's adapter (lora)" if adapter else "the served model"
     problems = []
     for m in metas:
         if m.name not in expected:
-            problems.append(f"{m.name}: not a parameter of the served model")
+            hint = " (PEFT's names: peft.get_peft_model_state_dict(model))" if adapter else ""
+            problems.append(f"{m.name}: not a tensor of {of}{hint}")
             continue
         shape, dtype = expected[m.name]
         if tuple(m.shape) != tuple(shape):
-            problems.append(f"{m.name}: shape {list(m.shape)}, the model has {list(shape)}")
+            problems.append(f"{m.name}: shape {list(m.shape)}, {of} has {list(shape)}")
         if m.dtype != dtype:
-            problems.append(f"{m.name}: dtype {m.dtype}, the model has {dtype} (pass dtype= to cast)")
+            problems.append(f"{m.name}: dtype {m.dtype}, {of} has {dtype} (pass dtype= to cast)")
     missing = expected.missing((m.name for m in metas), partial)
     if missing and partial:
         problems += [f"{n}: missing; a partial update sends whole module groups" for n in missing]
     elif missing:
-        problems += [f"{n}: missing (pass partial=True for a deliberate partial update)" for n in missing]
+        whole = (
+            "an adapter refit sends the whole adapter"
+            if adapter
+            else "pass partial=True for a deliberate partial update"
+        )
+        problems += [f"{n}: missing ({whole})" for n in missing]
     if problems:
+        kept = "adapter" if adapter else "weights"
         raise RefitError(
-            f"weight update rejected ({len(problems)} problem(s)); nothing was applied and the "
-            "engine keeps its previous weights",
+            f"{'adapter' if adapter else 'weight'} update rejected ({len(problems)} problem(s)); nothing "
+            f"was applied and the engine keeps its previous {kept}",
             problems,
         )
 

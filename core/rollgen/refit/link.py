@@ -1,7 +1,8 @@
-"""The engine link: the few things a weight update asks of an engine (pack, apply a bucket, reset
-the prefix cache, clear the KV cache, join and receive over a weight-sync group, release what
-refits keep), the facts it knows of the engines (``EngineFacts``), and the link to an engine in
-this process, made from the backend's parts (``InProcessLink``)."""
+"""The engine link: the few things a weight update asks of an engine (pack, apply a bucket, load
+and drop adapter versions, reset the prefix cache, clear the KV cache, join and receive over a
+weight-sync group, release what refits keep), the facts it knows of the engines
+(``EngineFacts``), and the link to an engine in this process, made from the backend's parts
+(``InProcessLink``)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,15 @@ class EngineLink(Protocol):
         """Load one validated bucket; then drop every cached prefix, with ``reset_prefix``."""
         ...
 
+    def apply_adapter(self, version: int, bucket: WeightBucket) -> None:
+        """Load a validated adapter (the whole of it, one bucket) as adapter ``version`` on every
+        engine; none serves it before this returns."""
+        ...
+
+    def drop_adapter(self, version: int) -> None:
+        """Free adapter ``version`` on every engine (no sample decodes with it any more)."""
+        ...
+
     def reset_prefix_cache(self) -> None: ...
 
     def clear_kv_cache(self) -> None: ...
@@ -116,7 +126,8 @@ class InProcessLink:
     returns: the trainer may write the next bucket into the same memory then);
     ``reset_prefix()`` drops every cached prefix (after an update that follows a generate);
     ``clear_kv()`` drops them and zeroes the KV cache (after outputs with NaN logprobs; None:
-    ``reset_prefix``). A weight-sync group's engine end joins here, as rank 1."""
+    ``reset_prefix``); with the ``adapters`` capability, ``load_adapter(version, named)`` and
+    ``drop_adapter(version)``. A weight-sync group's engine end joins here, as rank 1."""
 
     def __init__(
         self,
@@ -125,10 +136,13 @@ class InProcessLink:
         *,
         reset_prefix: Callable[[], None] = _nothing,
         clear_kv: Callable[[], None] | None = None,
+        load_adapter: Callable[[int, Named], None] | None = None,
+        drop_adapter: Callable[[int], None] | None = None,
     ) -> None:
         self.facts = facts
         self._load, self._reset_prefix = load, reset_prefix
         self._clear_kv = clear_kv or reset_prefix
+        self._load_adapter, self._drop_adapter = load_adapter, drop_adapter
         self._receiver = CollectiveReceiver()
 
     def packing(self, groups: list[Named], dtype: torch.dtype | None) -> Packing:
@@ -138,6 +152,15 @@ class InProcessLink:
         self._load(bucket.unpack())
         if reset_prefix:
             self._reset_prefix()
+
+    def apply_adapter(self, version: int, bucket: WeightBucket) -> None:
+        if self._load_adapter is None:
+            raise RefitError("this engine was linked without adapters (InProcessLink(..., load_adapter=))")
+        self._load_adapter(version, bucket.unpack())
+
+    def drop_adapter(self, version: int) -> None:
+        if self._drop_adapter is not None:
+            self._drop_adapter(version)
 
     def reset_prefix_cache(self) -> None:
         self._reset_prefix()

@@ -1,5 +1,5 @@
 """``WeightUpdates``: one generation's weight updates from validation to settlement — the checks
-against the served model (kept for the layout a trainer refits every step), the buckets, the
+against the served model (kept for the layout a trainer refits every step), adapter versions, the buckets, the
 finiteness check, streamed samples in flight per the update's mode, staleness after a failure
 part-way, a KV cache poisoned by NaN weights, the prefix-cache reset, and the roles in a
 weight-sync group. It talks down only, to an engine link (``rollgen.refit.link``)."""
@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rollgen.errors import RefitError, StaleWeights, UnsupportedCapability, WorkerError
-from rollgen.refit.bucket import WeightBucket, default_bucket_bytes, grouped, named_tensors
+from rollgen.refit.adapters import AdapterSpec, AdapterVersions, adapter_tensors
+from rollgen.refit.bucket import WeightBucket, default_bucket_bytes, grouped, named_tensors, pack_bucket
 from rollgen.refit.checks import (
     check_against_spec,
     check_bucket_bytes,
@@ -42,13 +43,20 @@ class WeightUpdates:
         name: the generation's (backend's) name, for messages.
         expected: reads the served model's ``WeightSpec`` (called once).
         streams: the streamed samples an update may meet in flight.
+        lora: the config's LoRA setup (None: no adapters).
 
     ``link``: how updates reach the engines (``rollgen.refit.link.EngineLink``; None: a backend
     without refit). ``expected`` may be replaced before the first update. The generation's lock
     is held around every method."""
 
-    def __init__(self, name: str, expected: Callable[[], WeightSpec], streams: Streams) -> None:
-        self.name, self.expected, self._streams = name, expected, streams
+    def __init__(
+        self,
+        name: str,
+        expected: Callable[[], WeightSpec],
+        streams: Streams,
+        lora: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.name, self.expected, self._streams, self._lora = name, expected, streams, lora
         self.link: EngineLink | None = None
         #: Told of each update that completed: its named tensors (lazily, as applied) or None
         #: (it came over a weight-sync group), and whether it was partial.
@@ -72,6 +80,9 @@ class WeightUpdates:
         #: The weight-sync group (``init_weight_sync``), and its sender when it is this process.
         self.weight_sync: SyncGroupSpec | None = None
         self._sender: WeightSender | None = None
+        #: The adapter versions the engines hold (None: no ``lora`` in the config).
+        self.adapters = None if lora is None else AdapterVersions(lora["max_versions"])
+        self._adapter_spec: AdapterSpec | None = None
 
     @property
     def spec(self) -> WeightSpec:
@@ -79,6 +90,15 @@ class WeightUpdates:
         if self._spec is None:
             self._spec = self.expected()
         return self._spec
+
+    @property
+    def adapter_spec(self) -> AdapterSpec:
+        """What an adapter refit sends (PEFT's names, the config's rank, the engine's dtype)."""
+        if self._lora is None:
+            raise RefitError(f"{self.name}: no adapters; name a LoRA setup in the config's lora to refit one")
+        if self._adapter_spec is None:
+            self._adapter_spec = AdapterSpec.of(self._lora, self.spec)
+        return self._adapter_spec
 
     @property
     def facts(self) -> EngineFacts:
@@ -198,6 +218,66 @@ class WeightUpdates:
                 lambda: attempt(packing and link.packing(packing.groups, dtype)),
             )
         self._updated(((n, t if dtype is None else t.to(dtype)) for n, t in named), partial)
+
+    # ---- adapters -------------------------------------------------------------------------------
+    def refit_adapter(
+        self, source: Any, dtype: torch.dtype | None, check_finite: bool, mode: UpdateMode
+    ) -> None:
+        """Validate an adapter (a PEFT model or its state dict), then load it as a new version.
+
+        Raises:
+            RefitError: before anything is applied, for an adapter that does not match the
+                engine's adapter spec or holds non-finite values, or no room for a version."""
+        named = adapter_tensors(source)
+        check_dtype(dtype)
+        check_readable(named)
+        check_against_spec(
+            (TensorMeta.of(n, t, dtype) for n, t in named), self.adapter_spec.weights, adapter=True
+        )
+        if check_finite:
+            require_finite(named)
+        facts = self._engines.facts
+        cast_check = check_finite and dtype is not None
+        bucket = pack_bucket(
+            named, facts.transport, dtype=dtype, check_finite=cast_check, devices=facts.devices or None
+        )
+        self._apply_adapter(bucket, mode)
+
+    def apply_adapter_bucket(self, bucket: WeightBucket, mode: UpdateMode) -> None:
+        """Load an adapter packed elsewhere (one bucket, checked there for non-finite values)."""
+        check_against_spec(bucket.metas, self.adapter_spec.weights, adapter=True)
+        check_reach(bucket, self._engines.facts.devices)
+        bucket.resolve()
+        self._apply_adapter(bucket, mode)
+
+    def _apply_adapter(self, bucket: WeightBucket, mode: UpdateMode) -> None:
+        """Load ``bucket`` as a new adapter version on every engine; samples started from then
+        on decode with it. Under ``keep`` samples in flight finish on their version (it stays
+        held); a version that failed to load on some engine is dropped from all."""
+        versions, link, streams = self.adapters, self._engines, self._streams
+        if versions is None:
+            raise RefitError(f"{self.name}: no adapters; name a LoRA setup in the config's lora to refit one")
+        with streams.update(mode, fresh=lambda: self.stale is None, interrupt=mode != "keep"):
+            for old in versions.to_drop(streams.adapters_in_use()):
+                link.drop_adapter(old)
+                versions.held.remove(old)
+            versions.last += 1
+            try:
+                link.apply_adapter(versions.last, bucket)
+            except BaseException:
+                self._drop_quietly(versions.last)
+                raise
+            versions.added(versions.last)
+            streams.adapter = versions.last
+
+    def _drop_quietly(self, version: int) -> None:
+        """Drop an adapter version that failed to load (from the engines that loaded it)."""
+        try:
+            self._engines.drop_adapter(version)
+        except Exception as exc:  # noqa: BLE001 - the load's error is the one raised
+            logger.warning(
+                "%s: adapter version %d, which failed to load, was not dropped: %r", self.name, version, exc
+            )
 
     def _bucket_groups(
         self, named: Named, bucket_bytes: int | None, dtype: torch.dtype | None

@@ -13,9 +13,11 @@ from rollgen.data import BatchedDataDict, right_pad
 from rollgen.errors import ConfigError
 from rollgen.output import assemble_output
 from rollgen.refit import EngineFacts, InProcessLink, Named, WeightSpec, device_uuid, load_into_module
+from rollgen.refit.adapters import AdapterSpec
 from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.streaming_loop import StepLoop
+from rollgen_hf.adapters import LoraLayers
 from rollgen_hf.decode import Cohorts, Decoder
 from rollgen_hf.model import load_model, offload, release_memory
 
@@ -67,9 +69,21 @@ class HfGeneration(BaseGeneration):
             devices=(device_uuid(self.device),) if self.device.type == "cuda" else (),
             sync_device=self.device,
         )
-        self.link_engine(
-            InProcessLink(facts, self._load_weights), weights=lambda: WeightSpec.of_module(self.model)
+        lora = self.cfg.get("lora")
+        #: The adapter versions the model holds (with the config's ``lora``).
+        self.adapters = (
+            None if lora is None else LoraLayers(self.model, AdapterSpec.of(lora, self._weights()))
         )
+        link = InProcessLink(
+            facts,
+            self._load_weights,
+            load_adapter=self.adapters and self.adapters.load,
+            drop_adapter=self.adapters and self.adapters.drop,
+        )
+        self.link_engine(link, weights=self._weights)
+
+    def _weights(self) -> WeightSpec:
+        return WeightSpec.of_module(self.model)
 
     @property
     def releases_memory_on_sleep(self) -> bool:
@@ -98,8 +112,9 @@ class HfGeneration(BaseGeneration):
     def _decoder(
         self, input_ids: torch.Tensor, input_lengths: torch.Tensor, params: list[SampleParams]
     ) -> Decoder:
+        model = self.model if self.adapters is None else self.adapters.bound([p.adapter for p in params])
         return self.decoder_cls(
-            self.model,
+            model,
             input_ids,
             input_lengths,
             params,

@@ -31,7 +31,7 @@ def rollgen_register_backends(register: Callable[[Backend], None]) -> None:
             name="hf",
             factory="rollgen_hf.generation:HfGeneration",
             config_type=HfConfig,
-            capabilities=CAPABILITIES,
+            capabilities=CAPABILITIES | {Capability.ADAPTERS},
             requires=("transformers",),
             install_hint="pip install 'rollgen[hf]'",
             description="Hugging Face transformers, in process (reference implementation)",
