@@ -135,6 +135,8 @@ def test_capability_gates_are_markers_at_collection(suite: pytest.Pytester) -> N
         "test_update_in_flight[keep]",
         "test_update_in_flight[abort]",
         "test_update_in_flight[wait]",
+        "test_adapter_update_in_flight[keep]",
+        "test_adapter_update_in_flight[wait]",
     ]
     assert collected("-m", "requires_text") == ["test_text_path"]
     every = collected()

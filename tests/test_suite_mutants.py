@@ -58,5 +58,5 @@ def test_the_suite_fails_a_backend_that_breaks_a_rule(
 
 def test_the_docs_table_names_every_broken_backend() -> None:
     table = (Path(__file__).resolve().parents[1] / "docs" / "conformance-rules.md").read_text()
-    named = set(re.findall(r"`((?:sampling|engine|streaming)\.\w+)`", table))
+    named = set(re.findall(r"`((?:sampling|engine|streaming|adapters)\.\w+)`", table))
     assert named == {m.cls.replace(":", ".") for m in MUTANTS}, "docs/conformance-rules.md's table"

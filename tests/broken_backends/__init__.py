@@ -30,6 +30,8 @@ class Mutant:
     tests: str
     says: str
     options: tuple[str, ...] = ()
+    #: Capabilities it declares beyond its base backend's.
+    extra: frozenset[Capability] = frozenset()
 
     @property
     def name(self) -> str:
@@ -162,6 +164,22 @@ MUTANTS = [
         "update_in_flight and keep",
         "do not agree with the weights of their version",
     ),
+    Mutant(
+        "adapters:AdapterNotApplied",
+        "hf",
+        "every sample decodes with its adapter version",
+        "adapter_refit_follows",
+        "differ from the reference argmax",
+        extra=frozenset({Capability.ADAPTERS}),
+    ),
+    Mutant(
+        "adapters:AdapterReloadedUnderOneName",
+        "hf",
+        "each adapter refit is a version of its own (nothing of one serves another)",
+        "adapter_refit_follows",
+        "differ from the reference argmax",
+        extra=frozenset({Capability.ADAPTERS}),
+    ),
 ]
 
 
@@ -178,7 +196,7 @@ class BrokenBackends:
                     m.name,
                     f"broken_backends.{m.cls}",
                     HfConfig if hf else ExampleConfig,
-                    HF_CAPABILITIES if hf else EXAMPLE_CAPABILITIES,
+                    (HF_CAPABILITIES if hf else EXAMPLE_CAPABILITIES) | m.extra,
                     description=f"stand-in: breaks {m.rule}",
                 )
             )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from rollgen.conformance.adapters import AdapterTests
 from rollgen.conformance.fixtures import ConformanceFixtures
 from rollgen.conformance.fleet import FleetTests
 from rollgen.conformance.lifecycle import BadInputTests, LifecycleTests
@@ -29,6 +30,7 @@ AREAS: tuple[type, ...] = (
     FleetTests,
     SleepWakeTests,
     BadInputTests,
+    AdapterTests,
     OwnEngineSamplingTests,
     LifecycleTests,
 )

@@ -53,6 +53,7 @@ REQUIREMENTS: dict[str, frozenset[Capability]] = {
         Capability.REFIT_COLLECTIVE,
         Capability.ASYNC,
         Capability.DATA_PARALLEL,
+        Capability.ADAPTERS,
     )
 } | {"refit": frozenset({Capability.REFIT_TENSORS, Capability.REFIT_IPC})}
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from rollgen.refit.adapters import AdapterSpec, merged
 
 
 def load_reference_model(model_dir: str, dtype: torch.dtype = torch.float32) -> Any:
@@ -153,3 +156,20 @@ def processed_logprobs(
     kept = ordered.masked_fill(~keep, float("-inf"))
     kept = kept - kept.logsumexp(-1, keepdim=True)
     return torch.empty_like(kept).scatter_(-1, order, kept), near
+
+
+def random_adapter(spec: AdapterSpec, seed: int, scale: float = 0.3) -> dict[str, torch.Tensor]:
+    """A LoRA adapter of ``spec`` (PEFT's names and shapes, its dtype) with seeded Gaussian
+    factors of ``scale``: outputs a refit can tell apart from the model's alone."""
+    noise = torch.Generator().manual_seed(seed)
+    return {
+        name: (torch.randn(shape, generator=noise) * scale).to(getattr(torch, dtype))
+        for name, (shape, dtype) in spec.weights.items()
+    }
+
+
+def merged_reference(model_dir: str, adapter: Mapping[str, torch.Tensor], spec: AdapterSpec) -> Any:
+    """The fp32 reference model with ``adapter`` merged into its weights (``W + scaling·B·A``)."""
+    policy = load_reference_model(model_dir)
+    policy.load_state_dict(merged(policy.state_dict(), list(adapter.items()), spec))
+    return policy

@@ -30,6 +30,8 @@ class HfGeneration(BaseGeneration):
 
     #: The batched decoder each generate and each submitted request list runs in.
     decoder_cls: ClassVar[type[Decoder]] = Decoder
+    #: The adapter versions' holder (with the config's ``lora``).
+    adapters_cls: ClassVar[type[LoraLayers]] = LoraLayers
 
     def __init__(self, config: Mapping[str, Any], cluster: Any = None, backend: Any = None) -> None:
         super().__init__(config, cluster=cluster, backend=backend)
@@ -72,7 +74,7 @@ class HfGeneration(BaseGeneration):
         lora = self.cfg.get("lora")
         #: The adapter versions the model holds (with the config's ``lora``).
         self.adapters = (
-            None if lora is None else LoraLayers(self.model, AdapterSpec.of(lora, self._weights()))
+            None if lora is None else self.adapters_cls(self.model, AdapterSpec.of(lora, self._weights()))
         )
         link = InProcessLink(
             facts,
