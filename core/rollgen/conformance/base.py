@@ -2,7 +2,8 @@
 Subclass it to give a backend custom fixtures (override ``backend_name``, ``base_config``,
 ``engine`` (the engine most tests share) or ``make_engine`` (engines one test makes, shut down
 when it ends); class-scoped fixtures are classmethods). At most two engines are alive at once
-(the shared one and a test's own), or one with ``--rollgen-one-engine``."""
+(the shared one and a test's own, or the adapter tests' engine), or one with
+``--rollgen-one-engine``."""
 
 from __future__ import annotations
 
