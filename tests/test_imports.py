@@ -81,7 +81,7 @@ def circles() -> list[list[str]]:
 def test_the_reader_sees_the_imports() -> None:
     """The graph is read right: known edges are in it (a guard for the tests below)."""
     assert "rollgen.refit.updates" in GRAPH["rollgen.base"]
-    assert "rollgen.errors" in GRAPH["rollgen.refit.weight_sync"]
+    assert "rollgen.errors" in GRAPH["rollgen.refit.transports.collective.group"]
 
 
 def test_the_core_has_no_import_circle() -> None:
