@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.common import print_table, write_results
 from rollgen.refit import WeightSpec
-from rollgen.refit.weight_sync import SyncGroup, SyncGroupSpec, WeightSender, open_store, receive
+from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, WeightSender, open_store, receive
 
 
 def _receive(spec: SyncGroupSpec, device: int, sizes: list[int], rounds: int) -> None:

@@ -1,5 +1,6 @@
 """The core's imports go one way: no circle among its modules, and nothing in ``refit/`` or
-``distributed/`` climbs back to the generation that uses it. Read with ``ast`` (imports under
+``distributed/`` climbs back to the generation that uses it; the weight-sync group's modules
+(``refit/transports/collective/``) import in layers. Read with ``ast`` (imports under
 ``TYPE_CHECKING`` count: a reader follows them too)."""
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def circles() -> list[list[str]]:
 def test_the_reader_sees_the_imports() -> None:
     """The graph is read right: known edges are in it (a guard for the tests below)."""
     assert "rollgen.refit.updates" in GRAPH["rollgen.base"]
-    assert "rollgen.errors" in GRAPH["rollgen.refit.weight_sync"]
+    assert "rollgen.errors" in GRAPH["rollgen.refit.transports.collective.group"]
 
 
 def test_the_core_has_no_import_circle() -> None:
@@ -115,3 +116,22 @@ def test_the_replacement_policy_holds_neither_the_generation_nor_the_link() -> N
 def test_refit_link_imports_nothing_above_refit() -> None:
     above = {m for m in GRAPH["rollgen.refit.link"] if not m.startswith("rollgen.refit")}
     assert above <= {"rollgen.errors", "rollgen.spec", "rollgen.auth"}, above
+
+
+COLLECTIVE = "rollgen.refit.transports.collective"
+#: The weight-sync group's modules in the order they may import: each only those of earlier rows.
+COLLECTIVE_LAYERS = [["spec"], ["wire"], ["group"], ["sender", "receiver"], ["transport"]]
+
+
+def test_the_weight_sync_group_s_modules_import_one_way() -> None:
+    row = {f"{COLLECTIVE}.{m}": i for i, names in enumerate(COLLECTIVE_LAYERS) for m in names}
+    assert set(row) == {name for name in GRAPH if name.startswith(f"{COLLECTIVE}.")}  # each has a row
+    against = {
+        name: sorted(m for m in GRAPH[name] if m == COLLECTIVE or row.get(m, -1) >= row[name]) for name in row
+    }
+    assert {name: found for name, found in against.items() if found} == {}
+
+
+def test_the_weight_sync_group_imports_nothing_above_refit() -> None:
+    above = {m for name in GRAPH if name.startswith(COLLECTIVE) for m in GRAPH[name]}
+    assert {m for m in above if not m.startswith("rollgen.refit")} <= {"rollgen.errors", "rollgen.auth"}

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from rollgen import auth
 from rollgen.errors import RefitError
 from rollgen.refit import WeightSpec
-from rollgen.refit.weight_sync import SyncGroup, SyncGroupSpec, WeightSender, receive
+from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, WeightSender, receive
 from rollgen.testing.faults import Unreadable
 
 

@@ -26,7 +26,7 @@ from rollgen.hookspecs import hookimpl
 from rollgen.interface import GenerationInterface
 from rollgen.output import generated_mask
 from rollgen.refit import WeightBucket, iter_buckets, merge_buckets, pack_bucket
-from rollgen.refit.weight_sync import SyncGroupSpec, WeightSender
+from rollgen.refit.transports.collective import SyncGroupSpec, WeightSender
 from rollgen.registry import get_registry
 from rollgen.rollout import Rollout, SampleResult, UpdateMode
 from rollgen.spec import (

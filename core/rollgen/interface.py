@@ -12,7 +12,7 @@ from rollgen.data import BatchedDataDict
 from rollgen.model_info import ModelInfo
 from rollgen.refit import Transport, WeightBucket, WeightSpec
 from rollgen.refit.adapters import RefitTarget
-from rollgen.refit.weight_sync import SyncBackend, SyncGroupSpec
+from rollgen.refit.transports.collective import SyncBackend, SyncGroupSpec
 from rollgen.rollout import InFlightSample, ReplicaLoad, Rollout, UpdateMode
 from rollgen.spec import Capability
 

@@ -27,7 +27,7 @@ from rollgen.refit.link import EngineFacts, Packing, pack_with
 from rollgen.refit.meta import Transport
 from rollgen.refit.staging import RefitStaging, flat_sizes
 from rollgen.refit.transports import transport_named
-from rollgen.refit.weight_sync import SyncGroupSpec
+from rollgen.refit.transports.collective import SyncGroupSpec
 
 logger = logging.getLogger(__name__)
 

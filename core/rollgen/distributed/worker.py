@@ -23,7 +23,7 @@ from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.output import assemble_from_lists
 from rollgen.processes import descendants, running, shared_memory
 from rollgen.refit import WeightBucket, WeightSpec, release_staged
-from rollgen.refit.weight_sync import SyncGroupSpec
+from rollgen.refit.transports.collective import SyncGroupSpec
 from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.streaming_loop import StepLoop, StepOutput
@@ -203,7 +203,7 @@ class EngineWorker(ABC):
         self._join_weight_sync(spec, first_rank)
 
     def receive_weights(self, spec: WeightSpec) -> bool:
-        """Receive one update over the weight-sync group on every rank (``weight_sync.receive``,
+        """Receive one update over the weight-sync group on every rank (``collective.receive``,
         checked against ``spec``); whether it was partial."""
         return self._receive_weights(spec)
 
@@ -328,7 +328,7 @@ class EngineWorker(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no weight-sync group (refit_collective)")
 
     def _receive_weights(self, spec: WeightSpec) -> bool:
-        """Have every rank ``weight_sync.receive`` one update (for ``refit_collective``)."""
+        """Have every rank ``collective.receive`` one update (for ``refit_collective``)."""
         raise NotImplementedError(f"{type(self).__name__} has no weight-sync group (refit_collective)")
 
     def _clear_kv_cache(self) -> None:  # noqa: B027 - optional: engines that keep no stale KV need nothing

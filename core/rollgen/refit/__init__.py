@@ -9,16 +9,15 @@ Transports (``rollgen.refit.transports``, one module per transport holding both 
   made each time the bucket is pickled, one set per receiver, so pack it in the process that
   sends it to the engines (across processes, use ``tensors``);
 - ``cuda_ipc``: CUDA IPC handles keyed by device UUID, for trainer and engine on the same GPUs;
-- ``collective``: a weight-sync group (``weight_sync``) broadcasting over gloo or NCCL from a
-  trainer elsewhere.
+- ``collective``: a weight-sync group broadcasting over gloo or NCCL from a trainer elsewhere (a
+  package: its spec, wire messages, group, sender, receiver and transport).
 
 Modules: ``meta`` (names, ``TensorMeta``, ``WeightSpec``, module groups, flat layouts), ``checks``
 (source, spec, reach, finiteness), ``bucket`` (packing, sizes, merging), ``layouts``
 (``KeptLayouts``, on every end), ``receiver`` (the rank's end: unpacking, kept layouts),
 ``staging`` and ``in_place`` (the trainer's persistent GPU buffers, or its own tensors read in
-place), ``weight_sync`` (both ends of a group) and ``channel`` (both ends of a driver ↔ rank
-socket); ``updates`` (``WeightUpdates``, one update's lifecycle) over ``link`` (what it asks of
-the engines, and ``EngineFacts``).
+place) and ``channel`` (both ends of a driver ↔ rank socket); ``updates`` (``WeightUpdates``, one
+update's lifecycle) over ``link`` (what it asks of the engines, and ``EngineFacts``).
 """
 
 from rollgen.refit.bucket import (
@@ -63,9 +62,9 @@ from rollgen.refit.meta import (
 )
 from rollgen.refit.receiver import Receiver, load_into_module, release_staged
 from rollgen.refit.transports import BucketTransport, transport_named
+from rollgen.refit.transports.collective import SyncBackend, SyncGroup, SyncGroupSpec, WeightSender, receive
 from rollgen.refit.transports.cuda_ipc import InPlaceViews, IpcHandle, device_uuid, ipc_targets
 from rollgen.refit.updates import WeightUpdates
-from rollgen.refit.weight_sync import SyncBackend, SyncGroup, SyncGroupSpec, WeightSender, receive
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

@@ -15,8 +15,7 @@ import torch
 from rollgen.errors import RefitError, WorkerError
 from rollgen.refit.bucket import WeightBucket, pack_bucket
 from rollgen.refit.meta import Named, Transport, WeightSpec
-from rollgen.refit.transports.collective import CollectiveReceiver
-from rollgen.refit.weight_sync import SyncGroupSpec
+from rollgen.refit.transports.collective import CollectiveReceiver, SyncGroupSpec
 
 
 @dataclass(frozen=True)

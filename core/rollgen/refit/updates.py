@@ -27,8 +27,8 @@ from rollgen.refit.checks import (
 )
 from rollgen.refit.link import EngineFacts, EngineLink, Packing
 from rollgen.refit.meta import Named, TensorMeta, WeightSpec
+from rollgen.refit.transports.collective import SyncBackend, SyncGroupSpec, WeightSender
 from rollgen.refit.transports.cuda_ipc import device_uuid
-from rollgen.refit.weight_sync import SyncBackend, SyncGroupSpec, WeightSender
 
 if TYPE_CHECKING:
     from rollgen.rollout import Streams, UpdateMode
@@ -391,7 +391,7 @@ class WeightUpdates:
         """Receive the update the trainer's ``WeightSender.send`` broadcasts.
 
         Raises:
-            RefitError: no group, or this process is its sender; and what ``weight_sync.receive``
+            RefitError: no group, or this process is its sender; and what ``collective.receive``
                 raises (a failure while applying marks the generation stale)."""
         if self.weight_sync is None:
             raise RefitError(f"{self.name}: no weight-sync group; call init_weight_sync first")

@@ -10,7 +10,7 @@ from typing import Any
 from rollgen.refit.bucket import WeightBucket
 from rollgen.refit.link import EngineLink
 from rollgen.refit.meta import WeightSpec
-from rollgen.refit.weight_sync import SyncGroupSpec
+from rollgen.refit.transports.collective import SyncGroupSpec
 
 
 class RecordingLink:

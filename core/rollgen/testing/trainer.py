@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from rollgen.errors import RefitError
-from rollgen.refit.weight_sync import SyncGroupSpec, WeightSender
+from rollgen.refit.transports.collective import SyncGroupSpec, WeightSender
 from rollgen.testing.reference import load_reference_model
 
 #: An update: the weights of a model folder, less the tensor named second (None: complete).

@@ -11,7 +11,7 @@ import torch
 from rollgen.data import right_pad
 from rollgen.distributed.worker import EngineWorker
 from rollgen.refit import WeightBucket, WeightSpec, device_uuid, load_into_module
-from rollgen.refit.weight_sync import SyncGroup, SyncGroupSpec, receive
+from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, receive
 from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.streaming_loop import StepOutput

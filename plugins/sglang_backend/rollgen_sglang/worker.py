@@ -15,7 +15,7 @@ from rollgen.distributed.worker import EngineWorker
 from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.errors import InputError, RefitError, RollgenError
 from rollgen.refit import WeightBucket, WeightSpec, device_uuid
-from rollgen.refit.weight_sync import SyncGroup, SyncGroupSpec, receive
+from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, receive
 from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
 

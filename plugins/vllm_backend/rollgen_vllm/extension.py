@@ -17,7 +17,7 @@ import torch
 from rollgen.errors import ConfigError
 from rollgen.refit import Receiver, WeightSpec, device_uuid
 from rollgen.refit.channel import ChannelServer
-from rollgen.refit.weight_sync import SyncGroup, SyncGroupSpec, receive
+from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, receive
 from rollgen_vllm import logs
 from rollgen_vllm.load_plan import LoadPlans, LoadWay, bound_parameters
 from rollgen_vllm.rpc_errors import returns_errors
@@ -97,7 +97,7 @@ class RollgenWorkerExtension:
 
     @returns_errors
     def rollgen_receive_weights(self, spec: bytes, replay: bool) -> bool:
-        """Receive one update over the weight-sync group (``weight_sync.receive``), checked
+        """Receive one update over the weight-sync group (``collective.receive``), checked
         against the pickled ``WeightSpec``."""
         weights: WeightSpec = pickle.loads(spec)
         return receive(self.rollgen_sync, weights, lambda named: self.rollgen_load(named, replay))

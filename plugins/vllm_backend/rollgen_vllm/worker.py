@@ -14,7 +14,7 @@ from typing import Any
 from rollgen.distributed.worker import EngineWorker, WorkerSpec
 from rollgen.errors import RollgenError
 from rollgen.refit import WeightBucket, WeightSpec, transport_named
-from rollgen.refit.weight_sync import SyncGroupSpec
+from rollgen.refit.transports.collective import SyncGroupSpec
 from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen_vllm import logs

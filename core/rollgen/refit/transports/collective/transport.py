@@ -1,7 +1,7 @@
-"""A weight-sync group (``rollgen.refit.weight_sync``), both ends: the trainer's sender, which
-broadcasts a source's buckets to every engine rank over gloo or NCCL, and each engine rank's
-receiver, which joins the group and loads what it receives. For trainers on other GPUs or
-hosts; no pickle crosses it (manifests and errors travel as authenticated data)."""
+"""An engine rank's end of a weight-sync group as a transport (``CollectiveReceiver``): it joins
+the group and loads each update the trainer's ``WeightSender`` broadcasts over gloo or NCCL. For
+trainers on other GPUs or hosts; no pickle crosses it (manifests and errors travel as
+authenticated data)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import torch
 
 from rollgen.errors import RefitError
 from rollgen.refit.meta import Named, WeightSpec
-from rollgen.refit.weight_sync import SyncGroup, SyncGroupSpec, WeightSender, receive
+from rollgen.refit.transports.collective.group import SyncGroup
+from rollgen.refit.transports.collective.receiver import receive
+from rollgen.refit.transports.collective.spec import SyncGroupSpec
 
-__all__ = ["CollectiveReceiver", "WeightSender"]
+__all__ = ["CollectiveReceiver"]
 
 
 class CollectiveReceiver:
@@ -39,7 +41,7 @@ class CollectiveReceiver:
         copies them first); whether it was partial.
 
         Raises:
-            RefitError: not joined; what ``weight_sync.receive`` raises."""
+            RefitError: not joined; what ``receive`` raises."""
         if self._group is None:
             raise RefitError("no weight-sync group; call init_weight_sync first")
         return receive(self._group, spec, load)
