@@ -12,6 +12,7 @@ import torch
 import rollgen
 from rollgen.conformance.checks import check_against_reference
 from rollgen.errors import RefitError
+from rollgen.refit import pack_bucket
 from rollgen.refit.adapters import AdapterSpec, merged
 from rollgen.testing import load_reference_model
 from rollgen.testing.faults import kill_replica
@@ -85,14 +86,16 @@ def test_an_adapter_refit_reaches_every_replica_as_the_merged_model(
 
 def test_a_replacement_engine_serves_the_current_adapter(hf_fleet, batch: dict, model_dir: str) -> None:
     """Killed before an adapter refit (which meets the death and loads on the survivor), then
-    two more refits evict the oldest version (``max_versions`` 2) while the replacement starts:
-    once admitted it serves the current adapter."""
+    two more updates (the last a bucket packed as a trainer packs one) evict the oldest version
+    (``max_versions`` 2) while the replacement starts: once admitted it serves the current
+    adapter."""
     spec = hf_fleet.updates.adapter_spec
     kill_replica(hf_fleet, 1)
     adapters = [random_adapter(spec, seed) for seed in (1, 2, 3)]
-    for adapter in adapters:
+    for adapter in adapters[:2]:
         hf_fleet.refit(adapter, target="adapter")
         assert hf_fleet.usable and hf_fleet.updates.stale is None
+    hf_fleet.update_weights(pack_bucket(adapters[2].items(), "shared_memory"), target="adapter")
     status = hf_fleet.restore_replicas(timeout_s=START_S)[1]
     assert status.state == "healthy" and status.restarts == 1, status
     assert status.weight_version == hf_fleet.weight_version, status
