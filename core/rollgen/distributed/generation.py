@@ -88,6 +88,7 @@ def plan_engines(
         pad_token_id=cfg["pad_token_id"],
         engine=engine,
         engine_kwargs=dict(cfg.get(engine_key.replace("_cfg", "_kwargs")) or {}),
+        lora=cfg.get("lora"),
         use_gpus=use_gpus,
         group=TiedGroup(0, tuple(range(tp))),
         index=0,

@@ -2,7 +2,8 @@
 where they connect, else through the actors; into the staging buffers or, for a colocated
 trainer's refit of the tensors it refitted last, read in place; and the one rule of what each
 engine is sent (its own pickle: shared-memory handles open once per receiver, and a kept
-layout's bucket carries that engine's own exports). It is handed the replicas
+layout's bucket carries that engine's own exports). Adapter versions go through the actors, and
+a host copy of each version held is kept, for a replacement engine. It is handed the replicas
 (``rollgen.distributed.replicas``) and calls only down to them; it listens for a replica that
 leaves service (its channels close)."""
 
@@ -18,8 +19,8 @@ import torch
 
 from rollgen.distributed.replicas import Replicas
 from rollgen.distributed.worker import EngineWorker
-from rollgen.errors import RefitError, WorkerError
-from rollgen.refit import Named, WeightBucket, WeightSpec, channel
+from rollgen.errors import WorkerError
+from rollgen.refit import Named, WeightBucket, WeightSpec, channel, pack_bucket
 from rollgen.refit.channel import EngineChannels
 from rollgen.refit.in_place import InPlaceSources
 from rollgen.refit.layouts import KEPT_LAYOUTS
@@ -72,6 +73,8 @@ class RayLink:
             else None
         )
         self._in_place = InPlaceSources() if self._staging is not None and in_place else None
+        #: A host copy of each adapter version the engines hold (what a replacement is sent).
+        self._adapters: dict[int, Named] = {}
         replicas.listen(self)
 
     @property
@@ -154,10 +157,17 @@ class RayLink:
                 ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
 
     def apply_adapter(self, version: int, bucket: WeightBucket) -> None:
-        raise RefitError(f"{self.name}: adapters do not reach Ray engines yet")
+        """Every replica in service loads the adapter (through its actor, its own pickle)
+        before this returns; a host copy is kept for a replacement (``adopt``)."""
+        kept = bucket.host_copy()
+        args = [(version, self._pickled(bucket, i)) for i in range(len(self.replicas))]
+        refs, names = self.replicas.submit(EngineWorker.load_adapter, args)
+        self.group.get(refs, names=names)
+        self._adapters[version] = kept
 
     def drop_adapter(self, version: int) -> None:
-        """No Ray engine holds adapters yet."""
+        self._adapters.pop(version, None)
+        self.replicas.call(EngineWorker.drop_adapter, version)
 
     def reset_prefix_cache(self) -> None:
         self.replicas.call(EngineWorker.reset_prefix_cache)
@@ -196,9 +206,10 @@ class RayLink:
 
     def adopt(self, engine: int, buckets: Iterable[WeightBucket]) -> None:
         """Bring the new engine ``engine`` (still out of service) to the current weights: load
-        ``buckets`` (the last one resets its prefix cache) through its actor, then connect its
-        refit channels. The kept layouts (staging buffers, tensors read in place) start afresh
-        on every engine, so none holds a handle the new one lacks."""
+        ``buckets`` (the last one resets its prefix cache) and every adapter version held
+        through its actor, then connect its refit channels. The kept layouts (staging buffers,
+        tensors read in place) start afresh on every engine, so none holds a handle the new one
+        lacks."""
         self.release()
         self.channels.forget()
         worker, name = self.group.workers[engine], self.group.names[engine]
@@ -206,6 +217,10 @@ class RayLink:
         for n, bucket in enumerate(todo, 1):
             ref = worker.apply_bucket.remote("", pickle.dumps(bucket), bucket.transport, n == len(todo))
             self.group.get([ref], names=[name])
+        host = transport_named(self.transport).host
+        for version, named in self._adapters.items():
+            adapter = pickle.dumps(pack_bucket(named, host, check_finite=False))
+            self.group.get([worker.load_adapter.remote(version, adapter)], names=[name])
         if self.channels:
             addresses = self.group.get(
                 [worker.open_channels.remote(self._authkey, self.capacity)], names=[name]

@@ -20,9 +20,10 @@ import torch
 
 from rollgen.data import BatchedDataDict, unpad
 from rollgen.distributed.worker_groups import TiedGroup
+from rollgen.errors import RefitError
 from rollgen.output import assemble_from_lists
 from rollgen.processes import descendants, running, shared_memory
-from rollgen.refit import WeightBucket, WeightSpec, release_staged
+from rollgen.refit import Named, WeightBucket, WeightSpec, release_staged
 from rollgen.refit.transports.collective import SyncGroupSpec
 from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
 from rollgen.sampling import SampleParams
@@ -47,6 +48,8 @@ class WorkerSpec:
     engine: Mapping[str, Any]
     #: Passed to the engine's constructor as is, last (``vllm_kwargs``, ``sglang_kwargs``).
     engine_kwargs: Mapping[str, Any]
+    #: The config's ``lora`` (``rollgen.spec.LoraConfig``; None: the engine serves no adapters).
+    lora: Mapping[str, Any] | None
     use_gpus: bool
     group: TiedGroup
     #: The data-parallel index of this engine.
@@ -186,6 +189,16 @@ class EngineWorker(ABC):
         if reset_prefix:
             self._reset_prefix_cache()
 
+    def load_adapter(self, version: int, data: bytes) -> None:
+        """Hold the pickled, validated adapter bucket ``data`` (the whole adapter; this
+        worker's own pickle) as adapter ``version``; samples whose ``SampleParams.adapter`` is
+        ``version`` decode with it."""
+        self._load_adapter(version, pickle.loads(data).resolve().unpack())
+
+    def drop_adapter(self, version: int) -> None:
+        """Free adapter ``version`` (no sample decodes with it any more)."""
+        self._drop_adapter(version)
+
     def open_channels(self, authkey: bytes, capacity: int) -> list[str]:
         """The address of a refit channel to each of this engine's ranks, which loads what
         ``apply_bucket`` loads without the Ray call and the engine's RPC, and a kept layout by
@@ -287,6 +300,20 @@ class EngineWorker(ABC):
         """Load a pickled bucket of ``layout`` (``apply_bucket``): here through ``_load_bucket``;
         engines whose ranks can take the pickle as it is pass it on (and may keep the layout)."""
         self._load_bucket(pickle.loads(data).resolve())
+
+    def _load_adapter(self, version: int, named: Named) -> None:
+        """Hold a checked adapter (PEFT's names, ``rollgen.refit.adapters``) as ``version``,
+        copied (the source may change after); engines with the ``adapters`` capability."""
+        raise self._no_adapters()
+
+    def _drop_adapter(self, version: int) -> None:
+        """Free adapter ``version``."""
+        raise self._no_adapters()
+
+    def _no_adapters(self) -> RefitError:
+        return RefitError(
+            f"{type(self).__name__} serves no LoRA adapters; use a backend with the adapters capability"
+        )
 
     def _open_channels(self, authkey: bytes, capacity: int) -> list[str]:
         """Open a refit channel to each rank, each keeping ``capacity`` layouts

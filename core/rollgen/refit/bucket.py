@@ -89,6 +89,12 @@ class WeightBucket:
         tensors = self.via.unpack(self, device)
         return [(m.name, t) for m, t in zip(self.metas, tensors, strict=True)]
 
+    def host_copy(self) -> list[tuple[str, torch.Tensor]]:
+        """The named tensors copied to host memory, in the process that packed this bucket or
+        received it."""
+        tensors = self.via.local(self)
+        return [(m.name, t.detach().to("cpu", copy=True)) for m, t in zip(self.metas, tensors, strict=True)]
+
 
 def as_buckets(buckets: Any) -> list[WeightBucket]:
     """``update_weights``'s buckets as a list.

@@ -6,6 +6,7 @@ weight-sync group. It talks down only, to an engine link (``rollgen.refit.link``
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -114,7 +115,8 @@ class WeightUpdates:
     def on_update(self, listener: Callable[[Iterable[tuple[str, torch.Tensor]] | None, bool], None]) -> None:
         """Tell ``listener(named, partial)`` of each update that completes, once the samples in
         flight are settled: ``named``, its tensors (an iterable read only if the listener reads
-        it), or None for an update over a weight-sync group."""
+        it), or None for an update over a weight-sync group; an adapter update is a partial one
+        of no tensor of the model."""
         self._listeners.append(listener)
 
     def _updated(self, named: Iterable[tuple[str, torch.Tensor]] | None, partial: bool) -> None:
@@ -251,24 +253,26 @@ class WeightUpdates:
         self._apply_adapter(bucket, mode)
 
     def _apply_adapter(self, bucket: WeightBucket, mode: UpdateMode) -> None:
-        """Load ``bucket`` as a new adapter version on every engine; samples started from then
-        on decode with it. Under ``keep`` samples in flight finish on their version (it stays
-        held); a version that failed to load on some engine is dropped from all."""
+        """Load ``bucket`` as a new adapter version on every engine (where one dies and the
+        others survive it, on those once more); samples started from then on decode with it.
+        Under ``keep`` samples in flight finish on their version (it stays held); a version
+        that failed to load on some engine is dropped from all."""
         versions, link, streams = self.adapters, self._engines, self._streams
         if versions is None:
             raise RefitError(f"{self.name}: no adapters; name a LoRA setup in the config's lora to refit one")
         with streams.update(mode, fresh=lambda: self.stale is None, interrupt=mode != "keep"):
             for old in versions.to_drop(streams.adapters_in_use()):
-                link.drop_adapter(old)
+                self._surviving(functools.partial(link.drop_adapter, old))
                 versions.held.remove(old)
             versions.last += 1
             try:
-                link.apply_adapter(versions.last, bucket)
+                self._surviving(functools.partial(link.apply_adapter, versions.last, bucket))
             except BaseException:
                 self._drop_quietly(versions.last)
                 raise
             versions.added(versions.last)
             streams.adapter = versions.last
+        self._updated((), partial=True)  # the model's weights are as they were
 
     def _drop_quietly(self, version: int) -> None:
         """Drop an adapter version that failed to load (from the engines that loaded it)."""

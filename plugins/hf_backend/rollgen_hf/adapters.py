@@ -4,15 +4,16 @@ each row of a forward adds ``scaling · B·A·x`` of the adapter version it deco
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from rollgen.refit import Named
+from rollgen.refit import Named, WeightSpec
 from rollgen.refit.adapters import AdapterSpec
+from rollgen.sampling import SampleParams
 
 
 class LoraLayers:
@@ -27,6 +28,11 @@ class LoraLayers:
         modules = dict(model.named_modules())
         for layer in spec.layers:
             modules[layer].register_forward_hook(partial(self._hook, layer))
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, lora: Mapping[str, Any] | None) -> LoraLayers | None:
+        """The adapter versions ``model`` serves with the config's ``lora`` (None: none)."""
+        return None if lora is None else cls(model, AdapterSpec.of(lora, WeightSpec.of_module(model)))
 
     def load(self, version: int, named: Named) -> None:
         """Hold a checked adapter as ``version`` (copied: the source may change after)."""
@@ -65,6 +71,11 @@ class LoraLayers:
             index = torch.tensor(picked, device=x.device)
             output = output.index_add(0, index, scaling * F.linear(F.linear(x[index], a), b))
         return output
+
+
+def serving(model: torch.nn.Module, adapters: LoraLayers | None, params: Sequence[SampleParams]) -> Any:
+    """``model`` with each row of a batch on its sample's adapter version (``params``)."""
+    return model if adapters is None else adapters.bound([p.adapter for p in params])
 
 
 class _Bound:

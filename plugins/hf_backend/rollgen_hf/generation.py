@@ -13,11 +13,10 @@ from rollgen.data import BatchedDataDict, right_pad
 from rollgen.errors import ConfigError
 from rollgen.output import assemble_output
 from rollgen.refit import EngineFacts, InProcessLink, Named, WeightSpec, device_uuid, load_into_module
-from rollgen.refit.adapters import AdapterSpec
 from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.streaming_loop import StepLoop
-from rollgen_hf.adapters import LoraLayers
+from rollgen_hf.adapters import LoraLayers, serving
 from rollgen_hf.decode import Cohorts, Decoder
 from rollgen_hf.model import load_model, offload, release_memory
 
@@ -71,11 +70,8 @@ class HfGeneration(BaseGeneration):
             devices=(device_uuid(self.device),) if self.device.type == "cuda" else (),
             sync_device=self.device,
         )
-        lora = self.cfg.get("lora")
         #: The adapter versions the model holds (with the config's ``lora``).
-        self.adapters = (
-            None if lora is None else self.adapters_cls(self.model, AdapterSpec.of(lora, self._weights()))
-        )
+        self.adapters = self.adapters_cls.of(self.model, self.cfg.get("lora"))
         link = InProcessLink(
             facts,
             self._load_weights,
@@ -114,9 +110,8 @@ class HfGeneration(BaseGeneration):
     def _decoder(
         self, input_ids: torch.Tensor, input_lengths: torch.Tensor, params: list[SampleParams]
     ) -> Decoder:
-        model = self.model if self.adapters is None else self.adapters.bound([p.adapter for p in params])
         return self.decoder_cls(
-            model,
+            serving(self.model, self.adapters, params),
             input_ids,
             input_lengths,
             params,

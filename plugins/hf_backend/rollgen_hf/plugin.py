@@ -42,7 +42,7 @@ def rollgen_register_backends(register: Callable[[Backend], None]) -> None:
             name="hf-ray",
             factory="rollgen_hf.fleet:HfRayGeneration",
             config_type=HfRayConfig,
-            capabilities=CAPABILITIES | {Capability.DATA_PARALLEL},
+            capabilities=CAPABILITIES | {Capability.DATA_PARALLEL, Capability.ADAPTERS},
             requires=("transformers", "ray"),
             install_hint="pip install 'rollgen[hf,ray]'",
             description="Hugging Face transformers engines as Ray actors: DP sharding, dead engines replaced",

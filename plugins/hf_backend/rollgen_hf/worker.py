@@ -10,12 +10,14 @@ import torch
 
 from rollgen.data import right_pad
 from rollgen.distributed.worker import EngineWorker
-from rollgen.refit import WeightBucket, WeightSpec, device_uuid, load_into_module
+from rollgen.errors import RefitError
+from rollgen.refit import Named, WeightBucket, WeightSpec, device_uuid, load_into_module
 from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, receive
 from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
 from rollgen.streaming_loop import StepOutput
 from rollgen.text import hits_stop_string
+from rollgen_hf.adapters import LoraLayers, serving
 from rollgen_hf.decode import Cohorts, Decoder
 from rollgen_hf.model import load_model, offload, release_memory
 
@@ -32,6 +34,8 @@ class HfWorker(EngineWorker):
         dtype = getattr(torch, spec.dtype)
         attn = spec.engine["attn_implementation"]
         self.model = load_model(spec.model_name, dtype, self.device, attn, spec.engine_kwargs)
+        #: The adapter versions the model holds (with the config's ``lora``).
+        self.adapters = LoraLayers.of(self.model, spec.lora)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model_name)
         # draws for samples without a seed (with a config seed, the core seeds every sample)
         self.generator = torch.Generator()
@@ -46,7 +50,7 @@ class HfWorker(EngineWorker):
     def _decoder(self, prompts: list[list[int]], params: Sequence[SampleParams]) -> Decoder:
         ids, lengths = right_pad(prompts, self.spec.pad_token_id, torch.long)
         return Decoder(
-            self.model,
+            serving(self.model, self.adapters, params),
             ids,
             lengths,
             params,
@@ -78,6 +82,18 @@ class HfWorker(EngineWorker):
 
     def _load_bucket(self, bucket: WeightBucket) -> None:
         load_into_module(self.model, bucket.unpack())
+
+    def _load_adapter(self, version: int, named: Named) -> None:
+        self._lora_layers.load(version, named)
+
+    def _drop_adapter(self, version: int) -> None:
+        self._lora_layers.drop(version)
+
+    @property
+    def _lora_layers(self) -> LoraLayers:
+        if self.adapters is None:
+            raise RefitError("this hf-ray engine was started without the config's lora; it holds no adapters")
+        return self.adapters
 
     def _devices(self) -> list[str]:
         return [device_uuid(self.device)] if self.device.type == "cuda" else []

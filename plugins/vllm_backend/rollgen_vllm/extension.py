@@ -3,7 +3,11 @@
 A ``vllm_kwargs["worker_extension_cls"]`` of your own must subclass ``RollgenWorkerExtension``;
 its methods are then reachable through ``VllmGeneration.collective_rpc``. A subclass may wrap
 ``rollgen_unpack`` and ``rollgen_load`` (the two steps of a refit on each rank, over the RPC
-and over the rank's refit channel alike)."""
+and over the rank's refit channel alike).
+
+Adapter versions are vLLM LoRAs built from tensors (no folder on disk): ``LoRAModel.from_lora_tensors``
+added to the rank's LoRA manager as vLLM adds its warm-up LoRAs (``WorkerLoRAManager.add_dummy_lora``),
+so a request naming the version's ``lora_int_id`` finds it loaded and vLLM never reads its path."""
 
 from __future__ import annotations
 
@@ -11,10 +15,11 @@ import importlib
 import logging
 import pickle
 import time
+from typing import Any
 
 import torch
 
-from rollgen.errors import ConfigError
+from rollgen.errors import ConfigError, RefitError
 from rollgen.refit import Receiver, WeightSpec, device_uuid
 from rollgen.refit.channel import ChannelServer
 from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, receive
@@ -88,6 +93,60 @@ class RollgenWorkerExtension:
     def rollgen_rank(self) -> int:
         return int(getattr(self, "rank", 0))
 
+    @property
+    def rollgen_adapters(self) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+        """The adapter versions this rank holds: their tensors and PEFT setup (vLLM forgets its
+        LoRAs when it reloads the model's weights: they are added again)."""
+        held: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] | None = getattr(
+            self, "_rollgen_adapters", None
+        )
+        if held is None:
+            held = self._rollgen_adapters = {}
+        return held
+
+    @returns_errors
+    def rollgen_load_adapter(self, version: int, data: bytes, setup: dict[str, Any]) -> None:
+        """Hold the pickled adapter tensors ``data`` (PEFT's names) of PEFT setup ``setup``
+        (``r``, ``lora_alpha``, ``target_modules``) as the LoRA whose ``lora_int_id`` is
+        ``version`` (loaded again: replaced)."""
+        tensors: dict[str, torch.Tensor] = pickle.loads(data)
+        self.rollgen_add_lora(version, tensors, setup)
+        self.rollgen_adapters[version] = (tensors, setup)
+
+    def rollgen_drop_adapter(self, version: int) -> None:
+        """Free the LoRA of adapter ``version``."""
+        self.rollgen_adapters.pop(version, None)
+        self.model_runner.lora_manager.remove_adapter(version)
+
+    def rollgen_add_lora(self, version: int, tensors: dict[str, torch.Tensor], setup: dict[str, Any]) -> None:
+        """Build the vLLM LoRA of ``tensors`` as ``WorkerLoRAManager._load_adapter`` does from a
+        folder, and add it to this rank's LoRA manager (one of the same id is replaced)."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager = self.model_runner.lora_manager
+        adapters = manager._adapter_manager
+        model = adapters.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        try:
+            helper = PEFTHelper.from_dict(setup)
+            helper.validate_legal(manager.lora_config)
+            lora = LoRAModel.from_lora_tensors(
+                lora_model_id=version,
+                # copies: vLLM scales lora_B in place as it adds the LoRA
+                tensors={name: t.clone() for name, t in tensors.items()},
+                peft_helper=helper,
+                device="cpu",
+                dtype=manager.lora_config.lora_dtype,
+                model_vocab_size=manager.vocab_size,
+                weights_mapper=mapper and mapper.get_rename_mapper(),
+                skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+            )
+            adapters.remove_adapter(version)
+            adapters.add_adapter(lora)
+        except (ValueError, RuntimeError, KeyError) as exc:
+            raise RefitError(f"vLLM did not take adapter version {version}: {exc}") from None
+
     @returns_errors
     def rollgen_join_weight_sync(self, spec: bytes, first_rank: int) -> None:
         """Join the weight-sync group of the pickled ``SyncGroupSpec`` as rank ``first_rank`` +
@@ -141,6 +200,8 @@ class RollgenWorkerExtension:
             # layerwise reload re-runs the repacking (it walks the whole model on every call)
             logs.quiet()
             self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+            for version, (tensors, setup) in self.rollgen_adapters.items():  # the reload dropped them
+                self.rollgen_add_lora(version, tensors, setup)
             return "loaded"
         model = self.model_runner.model
         way: LoadWay = "loaded"

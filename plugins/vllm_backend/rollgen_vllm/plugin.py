@@ -22,6 +22,7 @@ CAPABILITIES = frozenset(
         Capability.TENSOR_PARALLEL,
         Capability.DATA_PARALLEL,
         Capability.ASYNC,
+        Capability.ADAPTERS,
     }
 )
 

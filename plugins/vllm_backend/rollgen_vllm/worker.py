@@ -8,12 +8,13 @@ import itertools
 import logging
 import os
 import pickle
-from collections.abc import Callable, Sequence
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollgen.distributed.worker import EngineWorker, WorkerSpec
-from rollgen.errors import RollgenError
-from rollgen.refit import WeightBucket, WeightSpec, transport_named
+from rollgen.errors import ConfigError, RefitError, RollgenError
+from rollgen.refit import Named, WeightBucket, WeightSpec, transport_named
 from rollgen.refit.transports.collective import SyncGroupSpec
 from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
@@ -51,8 +52,41 @@ def engine_kwargs(spec: WorkerSpec, executor: str | None) -> dict[str, Any]:
         kwargs["enable_chunked_prefill"] = False
     if vcfg["kv_cache_memory_bytes"]:
         kwargs["kv_cache_memory_bytes"] = vcfg["kv_cache_memory_bytes"]
+    if spec.lora is not None:
+        kwargs.update(lora_kwargs(spec.lora))
     kwargs.update(spec.engine_kwargs)
     return kwargs
+
+
+def lora_kwargs(lora: Mapping[str, Any]) -> dict[str, Any]:
+    """``vllm.LLM``'s LoRA arguments for the config's ``lora``: room for ``max_versions`` LoRAs
+    in a batch and in the CPU cache, of the smallest rank this vLLM takes that holds ``rank``."""
+    from vllm.config import LoRAConfig
+
+    rank, versions = int(lora["rank"]), int(lora["max_versions"])
+    ranks = sorted(typing.get_args(typing.get_type_hints(LoRAConfig)["max_lora_rank"])) or [rank]
+    fits = [r for r in ranks if r >= rank]
+    if not fits:
+        raise ConfigError(f"lora.rank={rank}: vLLM serves LoRA ranks up to {ranks[-1]}")
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": versions, "max_cpu_loras": versions}
+
+
+def peft_setup(lora: Mapping[str, Any]) -> dict[str, Any]:
+    """The PEFT setup (``adapter_config.json``'s keys) of the config's ``lora``."""
+    rank = int(lora["rank"])
+    targets = list(lora["target_modules"])
+    return {"r": rank, "lora_alpha": lora.get("alpha") or rank, "target_modules": targets}
+
+
+def lora_request(adapter: int | None) -> Any:
+    """The vLLM LoRA of rollgen adapter version ``adapter`` (None: the model alone): a name and
+    id of its own, as vLLM keys cached prefixes by the LoRA's name and path (a new version never
+    reuses another's KV); the path names no folder (the version was loaded from tensors)."""
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(f"rollgen-adapter-{adapter}", adapter, f"/rollgen-adapters/{adapter}")
 
 
 @functools.cache
@@ -151,8 +185,9 @@ class VllmWorker(EngineWorker):
         keys = [f"generate-{next(self._generate_ids)}" for _ in prompts]
         ended: dict[str, Any] = {}
         try:
-            for key, prompt, sampling in zip(keys, prompts, sampling_params(params)):
-                engine.add_request(key, {"prompt_token_ids": prompt}, sampling)
+            for key, prompt, p, sampling in zip(keys, prompts, params, sampling_params(params)):
+                lora = lora_request(p.adapter)
+                engine.add_request(key, {"prompt_token_ids": prompt}, sampling, lora_request=lora)
             while len(ended) < len(keys) and engine.has_unfinished_requests():
                 ended.update((o.request_id, o) for o in engine.step() if o.finished)
         except BaseException:
@@ -174,7 +209,8 @@ class VllmWorker(EngineWorker):
     def _add_samples(self, requests: list[SampleRequest]) -> None:
         engine = self.llm.llm_engine
         for request, params in zip(requests, sampling_params([r.params for r in requests], stream=True)):
-            engine.add_request(request.key, {"prompt_token_ids": list(request.prompt_ids)}, params)
+            prompt = {"prompt_token_ids": list(request.prompt_ids)}
+            engine.add_request(request.key, prompt, params, lora_request=lora_request(request.params.adapter))
 
     def _abort_samples(self, keys: list[str]) -> None:
         self.llm.llm_engine.abort_request(keys)
@@ -217,6 +253,16 @@ class VllmWorker(EngineWorker):
         self._rpc(
             RollgenWorkerExtension.rollgen_load_bucket, layout, per_rank, self.spec.engine["replay_refit"]
         )
+
+    def _load_adapter(self, version: int, named: Named) -> None:
+        lora = self.spec.lora
+        if lora is None:
+            raise RefitError("this vLLM engine was started without the config's lora; it holds no adapters")
+        data = pickle.dumps({name: t.detach().to("cpu") for name, t in named})  # small: one for every rank
+        self._rpc(RollgenWorkerExtension.rollgen_load_adapter, version, data, peft_setup(lora))
+
+    def _drop_adapter(self, version: int) -> None:
+        self._rpc(RollgenWorkerExtension.rollgen_drop_adapter, version)
 
     def _open_channels(self, authkey: bytes, capacity: int) -> list[str]:
         replay = self.spec.engine["replay_refit"]

@@ -88,6 +88,11 @@ class BucketTransport(ABC):
         """The bucket's tensors in this process, in the order of its metas (``device``: the GPU
         to map them on, where the transport maps; None: this process's)."""
 
+    def local(self, bucket: Packet) -> list[torch.Tensor]:
+        """The bucket's tensors in the process that packed it or received it (a packer reads
+        its own buffers)."""
+        return self.unpack(bucket, None)
+
     def release(self, keys: Iterable[str]) -> None:  # noqa: B027 - nothing kept by default
         """Let go of what this process keeps mapped under ``keys`` (the sender frees it once
         every receiver has)."""

@@ -194,6 +194,11 @@ class CudaIpc(BucketTransport):
             return entry.views(bucket.metas, index)
         return unflatten(mapped(entry, index), bucket.metas, bucket.offsets)
 
+    def local(self, bucket: Packet) -> list[torch.Tensor]:
+        if bucket.held and bucket.offsets:  # the packer's flat buffer: its own handles do not open here
+            return unflatten(bucket.held[0], bucket.metas, bucket.offsets)
+        return self.unpack(bucket, None)
+
     def release(self, keys: Iterable[str]) -> None:
         unmap(keys)
 
