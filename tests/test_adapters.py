@@ -6,6 +6,7 @@ current adapter on every route."""
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -185,3 +186,33 @@ def test_the_server_serves_the_current_adapter_on_every_route(gen: Any, spec: Ad
                 {version: merged},
             )
             assert error < 1e-4, f"{label}: logprobs are not the merged model's ({error})"
+
+
+def test_work_on_a_stepped_engine_runs_between_its_steps() -> None:
+    """``StepLoop.call`` (how a Ray worker loads an adapter while samples run): in the caller's
+    thread before the loop has one, else on the loop's thread between two steps, never beside
+    a step; its error is raised to the caller."""
+    from rollgen.rollout import SampleRequest
+    from rollgen.sampling import SampleParams
+    from rollgen.streaming_loop import StepLoop
+
+    stepping = threading.Event()
+    seen: list[str] = []
+    ended: list[Any] = []
+
+    def step() -> list[Any]:
+        stepping.set()
+        seen.append("step")
+        return [("a", [1], [-0.5], len(seen) > 20)]
+
+    loop = StepLoop(lambda requests: None, step, lambda keys: None, ended.extend, "test-loop")
+    assert loop.call(threading.current_thread) is threading.current_thread()
+    params = SampleParams(1.0, 1.0, -1, 30, (), (), None)
+    loop.start([SampleRequest("a", (1, 2), params)])
+    stepping.wait(timeout=30)
+    thread = loop.call(lambda: (seen.append("call"), threading.current_thread())[1])
+    assert thread.name == "test-loop"
+    with pytest.raises(KeyError, match="missing"):
+        loop.call(lambda: {}["missing"])
+    loop.stop()
+    assert seen.count("call") == 1 and "step" in seen

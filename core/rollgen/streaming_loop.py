@@ -2,13 +2,16 @@
 workers. It admits the samples handed to it, ends those asked to end, steps the engine while any
 runs, reports the new tokens of samples that stream theirs after each step, and reports each
 sample once it ends; a failure ends every sample it started, with the error, so none is left
-unreported."""
+unreported. Other work on the engine while samples run (an adapter's load) goes through it too
+(``call``), between two steps."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
 
@@ -50,6 +53,7 @@ class StepLoop:
         self._inbox = threading.Condition()
         self._to_start: list[list[SampleRequest]] = []
         self._to_abort: set[str] = set()
+        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._stopped = False
         self._thread: threading.Thread | None = None
 
@@ -68,6 +72,17 @@ class StepLoop:
             self._to_abort.update(keys)
             self._inbox.notify_all()
 
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` between two steps of the engine (never beside one) and return what it
+        returns, or raise what it raises; in this thread where the loop's has not started."""
+        with self._inbox:
+            if self._thread is None or self._stopped:
+                return fn()
+            done: Future[Any] = Future()
+            self._calls.append((fn, done))
+            self._inbox.notify_all()
+        return done.result()
+
     def stop(self) -> None:
         """End the thread (what still runs is left unreported: the caller stops the engine)."""
         with self._inbox:
@@ -82,11 +97,21 @@ class StepLoop:
         while True:
             with self._inbox:
                 if not running:
-                    self._inbox.wait_for(lambda: bool(self._to_start or self._to_abort or self._stopped))
+                    self._inbox.wait_for(
+                        lambda: bool(self._to_start or self._to_abort or self._calls or self._stopped)
+                    )
                 if self._stopped:
+                    for _, done in self._calls:
+                        done.set_exception(RuntimeError(f"{self.name} stopped"))
                     return
                 starts, self._to_start = self._to_start, []
                 aborts, self._to_abort = self._to_abort, set()
+                calls, self._calls = self._calls, []
+            for fn, done in calls:
+                try:
+                    done.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                    done.set_exception(exc)
             ended: list[FinishedSample] = []
             moved: list[SampleProgress] = []
             try:

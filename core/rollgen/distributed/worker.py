@@ -100,7 +100,8 @@ class EngineWorker(ABC):
     the worker that steps the engine (``rollgen.streaming_loop.StepLoop`` over ``_add_samples``,
     ``_step``, ``_abort_samples``) while it has any; ``poll`` runs in a concurrency group of its
     own (``results``), so it waits for ended samples while the other calls run. The core never
-    refits, sleeps or runs ``generate`` while samples stream.
+    refits weights, sleeps or runs ``generate`` while samples stream (an adapter loads between
+    two steps).
 
     The engine's own processes (those of this actor's descendants whose command line starts
     with one of ``engine_processes``) are watched from a thread: if one ends while the engine
@@ -192,12 +193,14 @@ class EngineWorker(ABC):
     def load_adapter(self, version: int, data: bytes) -> None:
         """Hold the pickled, validated adapter bucket ``data`` (the whole adapter; this
         worker's own pickle) as adapter ``version``; samples whose ``SampleParams.adapter`` is
-        ``version`` decode with it."""
-        self._load_adapter(version, pickle.loads(data).resolve().unpack())
+        ``version`` decode with it. Samples may be running (a ``keep`` update leaves them on
+        their version): it is loaded between two engine steps."""
+        named = pickle.loads(data).resolve().unpack()
+        self._streaming.call(lambda: self._load_adapter(version, named))
 
     def drop_adapter(self, version: int) -> None:
-        """Free adapter ``version`` (no sample decodes with it any more)."""
-        self._drop_adapter(version)
+        """Free adapter ``version`` (no sample decodes with it any more), between two steps."""
+        self._streaming.call(lambda: self._drop_adapter(version))
 
     def open_channels(self, authkey: bytes, capacity: int) -> list[str]:
         """The address of a refit channel to each of this engine's ranks, which loads what
