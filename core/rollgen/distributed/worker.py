@@ -195,8 +195,8 @@ class EngineWorker(ABC):
         worker's own pickle) as adapter ``version``; samples whose ``SampleParams.adapter`` is
         ``version`` decode with it. Samples may be running (a ``keep`` update leaves them on
         their version): it is loaded between two engine steps."""
-        named = pickle.loads(data).resolve().unpack()
-        self._streaming.call(lambda: self._load_adapter(version, named))
+        bucket = pickle.loads(data).resolve()
+        self._streaming.call(lambda: self._load_adapter_bucket(version, bucket))
 
     def drop_adapter(self, version: int) -> None:
         """Free adapter ``version`` (no sample decodes with it any more), between two steps."""
@@ -303,6 +303,12 @@ class EngineWorker(ABC):
         """Load a pickled bucket of ``layout`` (``apply_bucket``): here through ``_load_bucket``;
         engines whose ranks can take the pickle as it is pass it on (and may keep the layout)."""
         self._load_bucket(pickle.loads(data).resolve())
+
+    def _load_adapter_bucket(self, version: int, bucket: WeightBucket) -> None:
+        """Load a validated adapter bucket as ``version``: here through ``_load_adapter``;
+        engines whose ranks unpack buckets themselves send it on (a bucket's pickle holds
+        handles where a pickle of its tensors, views of one buffer, holds that buffer each)."""
+        self._load_adapter(version, bucket.unpack())
 
     def _load_adapter(self, version: int, named: Named) -> None:
         """Hold a checked adapter (PEFT's names, ``rollgen.refit.adapters``) as ``version``,

@@ -105,11 +105,13 @@ class RollgenWorkerExtension:
         return held
 
     @returns_errors
-    def rollgen_load_adapter(self, version: int, data: bytes, setup: dict[str, Any]) -> None:
-        """Hold the pickled adapter tensors ``data`` (PEFT's names) of PEFT setup ``setup``
-        (``r``, ``lora_alpha``, ``target_modules``) as the LoRA whose ``lora_int_id`` is
+    def rollgen_load_adapter(self, version: int, per_rank: list[bytes], setup: dict[str, Any]) -> None:
+        """Hold the pickled adapter bucket ``per_rank[rank]`` (PEFT's names) of PEFT setup
+        ``setup`` (``r``, ``lora_alpha``, ``target_modules``) as the LoRA whose ``lora_int_id`` is
         ``version`` (loaded again: replaced)."""
-        tensors: dict[str, torch.Tensor] = pickle.loads(data)
+        bucket = pickle.loads(per_rank[self.rollgen_rank]).resolve()
+        # copies: the bucket's memory is the sender's
+        tensors = {name: t.clone() for name, t in bucket.unpack()}
         self.rollgen_add_lora(version, tensors, setup)
         self.rollgen_adapters[version] = (tensors, setup)
 

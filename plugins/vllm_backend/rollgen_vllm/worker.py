@@ -14,7 +14,7 @@ from typing import Any
 
 from rollgen.distributed.worker import EngineWorker, WorkerSpec
 from rollgen.errors import ConfigError, RefitError, RollgenError
-from rollgen.refit import Named, WeightBucket, WeightSpec, transport_named
+from rollgen.refit import WeightBucket, WeightSpec, transport_named
 from rollgen.refit.transports.collective import SyncGroupSpec
 from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
@@ -254,12 +254,13 @@ class VllmWorker(EngineWorker):
             RollgenWorkerExtension.rollgen_load_bucket, layout, per_rank, self.spec.engine["replay_refit"]
         )
 
-    def _load_adapter(self, version: int, named: Named) -> None:
+    def _load_adapter_bucket(self, version: int, bucket: WeightBucket) -> None:
         lora = self.spec.lora
         if lora is None:
             raise RefitError("this vLLM engine was started without the config's lora; it holds no adapters")
-        data = pickle.dumps({name: t.detach().to("cpu") for name, t in named})  # small: one for every rank
-        self._rpc(RollgenWorkerExtension.rollgen_load_adapter, version, data, peft_setup(lora))
+        # one pickle per TP rank, as for weights: shared-memory handles open once each
+        per_rank = [pickle.dumps(bucket) for _ in range(self.spec.tensor_parallel_size)]
+        self._rpc(RollgenWorkerExtension.rollgen_load_adapter, version, per_rank, peft_setup(lora))
 
     def _drop_adapter(self, version: int) -> None:
         self._rpc(RollgenWorkerExtension.rollgen_drop_adapter, version)
