@@ -145,7 +145,9 @@ def main() -> None:
     model = qwen25_1p5b_dir() if args.shape == "1.5b" else tiny_model_dir()
     rows = [measure(args, rank, model) for rank in args.ranks]
     print_table(rows, COLUMNS)
-    write_results(f"adapters_{args.backend}", [{**r, "machine": machine(), "args": vars(args)} for r in rows], args.out)
+    write_results(
+        f"adapters_{args.backend}", [{**r, "machine": machine(), "args": vars(args)} for r in rows], args.out
+    )
 
 
 if __name__ == "__main__":
