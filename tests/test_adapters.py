@@ -6,6 +6,7 @@ current adapter on every route."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -78,7 +79,6 @@ def test_versions_in_use_are_never_dropped() -> None:
     assert versions.to_drop(in_use=set()) == [1]
     with pytest.raises(RefitError, match="lora.max_versions=3"):
         versions.to_drop(in_use={1, 2})
-    assert versions.held == [1, 2, 3], "a refused refit drops nothing"
 
 
 def test_targets_and_bucket_counts(gen: Any, spec: AdapterSpec) -> None:
@@ -189,30 +189,52 @@ def test_the_server_serves_the_current_adapter_on_every_route(gen: Any, spec: Ad
 
 
 def test_work_on_a_stepped_engine_runs_between_its_steps() -> None:
-    """``StepLoop.call`` (how a Ray worker loads an adapter while samples run): in the caller's
-    thread before the loop has one, else on the loop's thread between two steps, never beside
-    a step; its error is raised to the caller."""
+    """``StepLoop.call`` (how an adapter loads while samples run): in the caller's thread before
+    the loop has one, else on the loop's thread, never while a step runs, with a sample still
+    running; its error is raised to the caller; after ``stop``, EngineClosed."""
+    from rollgen.errors import EngineClosed
     from rollgen.rollout import SampleRequest
     from rollgen.sampling import SampleParams
     from rollgen.streaming_loop import StepLoop
 
-    stepping = threading.Event()
-    seen: list[str] = []
-    ended: list[Any] = []
+    entered, in_step = threading.Event(), threading.Event()
 
     def step() -> list[Any]:
-        stepping.set()
-        seen.append("step")
-        return [("a", [1], [-0.5], len(seen) > 20)]
+        in_step.set()
+        entered.set()
+        in_step.clear()
+        return [("a", [1], [-0.5], False)]  # never ends: the loop keeps stepping
 
-    loop = StepLoop(lambda requests: None, step, lambda keys: None, ended.extend, "test-loop")
+    loop = StepLoop(lambda requests: None, step, lambda keys: None, lambda ended: None, "test-loop")
     assert loop.call(threading.current_thread) is threading.current_thread()
-    params = SampleParams(1.0, 1.0, -1, 30, (), (), None)
-    loop.start([SampleRequest("a", (1, 2), params)])
-    stepping.wait(timeout=30)
-    thread = loop.call(lambda: (seen.append("call"), threading.current_thread())[1])
-    assert thread.name == "test-loop"
+    loop.start([SampleRequest("a", (1, 2), SampleParams(1.0, 1.0, -1, 30, (), (), None))])
+    assert entered.wait(timeout=60), "the loop never stepped"
+    seen = loop.call(lambda: (threading.current_thread().name, in_step.is_set()))
+    assert seen == ("test-loop", False)
     with pytest.raises(KeyError, match="missing"):
         loop.call(lambda: {}["missing"])
     loop.stop()
-    assert seen.count("call") == 1 and "step" in seen
+    with pytest.raises(EngineClosed):
+        loop.call(lambda: None)
+
+
+def test_streamed_samples_of_different_versions_decode_apart() -> None:
+    """hf's ``Cohorts``: one decoder per adapter version among the samples started together (a
+    decoder steps its finished rows until all end; a version no running sample uses may be
+    dropped meanwhile, so no decoder may hold rows of another version)."""
+    from rollgen.rollout import SampleRequest
+    from rollgen.sampling import SampleParams
+    from rollgen_hf.decode import Cohorts
+
+    made: list[list[int | None]] = []
+
+    def decoder(requests: list[SampleRequest]) -> Any:
+        made.append([r.params.adapter for r in requests])
+        return None
+
+    params = SampleParams(1.0, 1.0, -1, 4, (), (), None)
+    versions = [1, None, 1, 2]
+    Cohorts(decoder).add(
+        [SampleRequest(f"k{i}", (1,), dataclasses.replace(params, adapter=v)) for i, v in enumerate(versions)]
+    )
+    assert made == [[1, 1], [None], [2]]

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from rollgen.errors import EngineClosed
 from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
 
 logger = logging.getLogger(__name__)
@@ -74,10 +75,15 @@ class StepLoop:
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` between two steps of the engine (never beside one) and return what it
-        returns, or raise what it raises; in this thread where the loop's has not started."""
+        returns, or raise what it raises; in this thread where the loop's has not started.
+
+        Raises:
+            EngineClosed: the loop was stopped (or its thread ended) before it ran ``fn``."""
         with self._inbox:
-            if self._thread is None or self._stopped:
+            if self._thread is None:
                 return fn()
+            if self._stopped or not self._thread.is_alive():
+                raise EngineClosed(f"{self.name}: stopped; nothing more runs on its engine")
             done: Future[Any] = Future()
             self._calls.append((fn, done))
             self._inbox.notify_all()
@@ -91,7 +97,20 @@ class StepLoop:
         if self._thread is not None:
             self._thread.join()
 
+    def _end_calls(self) -> None:
+        """Fail the calls still waiting (under the lock): the thread ends."""
+        for _, done in self._calls:
+            done.set_exception(EngineClosed(f"{self.name}: stopped before it ran a call"))
+        self._calls = []
+
     def _run(self) -> None:
+        try:
+            self._rounds()
+        finally:  # a report that raised ends the thread: no call waits for it
+            with self._inbox:
+                self._end_calls()
+
+    def _rounds(self) -> None:
         running: dict[str, tuple[list[int], list[float]]] = {}
         streaming: set[str] = set()
         while True:
@@ -101,8 +120,7 @@ class StepLoop:
                         lambda: bool(self._to_start or self._to_abort or self._calls or self._stopped)
                     )
                 if self._stopped:
-                    for _, done in self._calls:
-                        done.set_exception(RuntimeError(f"{self.name} stopped"))
+                    self._end_calls()
                     return
                 starts, self._to_start = self._to_start, []
                 aborts, self._to_abort = self._to_abort, set()

@@ -38,9 +38,12 @@ CATCH_UP_BUCKET_BYTES = 1 << 30
 
 
 class CatchUp(Protocol):
-    """How a new engine is brought to the current weights (the Ray refit link's ``adopt``)."""
+    """How a new engine is brought to the current weights and adapter versions (the Ray refit
+    link's ``adopt``; ``give_adapters`` for one that received the weights over a weight-sync group)."""
 
     def adopt(self, engine: int, buckets: Iterable[WeightBucket]) -> None: ...
+
+    def give_adapters(self, engine: int) -> None: ...
 
 
 class RetainedWeights:
@@ -155,6 +158,16 @@ class Fleet:
             return
         self.replicas.serve(index, version)
 
+    def _serve_synced(self, index: int, version: int) -> None:
+        """A stale member of the weight-sync group received a complete update: with the adapter
+        versions held, it serves."""
+        try:
+            self.link.give_adapters(index)
+        except WorkerError as exc:
+            self.replicas.take_out(index, f"loading the adapter versions held failed: {exc}")
+            return
+        self.replicas.serve(index, version)
+
     # ---- updates --------------------------------------------------------------------------------
     def updated(self, named: Iterable[tuple[str, torch.Tensor]] | None, partial: bool) -> None:
         """An update completed (``WeightUpdates.on_update``): the replicas in service hold the
@@ -168,7 +181,7 @@ class Fleet:
             with self.replicas.lock:
                 for index in self.replicas.sync_group:
                     if self.replicas.table[index].state == "stale":
-                        self.replicas.serve(index, version)
+                        self._serve_synced(index, version)
         if named is None:
             self.weights.lose(
                 f"weight version {version} came over a weight-sync group, which a new engine cannot join",

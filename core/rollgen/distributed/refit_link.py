@@ -162,7 +162,10 @@ class RayLink:
         kept = bucket.host_copy()
         args = [(version, self._pickled(bucket, i)) for i in range(len(self.replicas))]
         refs, names = self.replicas.submit(EngineWorker.load_adapter, args)
-        self.group.get(refs, names=names)
+        try:
+            self.group.get(refs, names=names)
+        finally:  # every load ended before a failed version is dropped from those that took it
+            ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
         self._adapters[version] = kept
 
     def drop_adapter(self, version: int) -> None:
@@ -204,6 +207,15 @@ class RayLink:
     def replica_returned(self, engine: int) -> None:
         """Nothing to do: ``adopt`` connected its channels before it returned."""
 
+    def give_adapters(self, engine: int) -> None:
+        """Load every adapter version held into engine ``engine`` (out of service), through
+        its actor."""
+        worker, name = self.group.workers[engine], self.group.names[engine]
+        host = transport_named(self.transport).host
+        for version, named in self._adapters.items():
+            adapter = pickle.dumps(pack_bucket(named, host, check_finite=False))
+            self.group.get([worker.load_adapter.remote(version, adapter)], names=[name])
+
     def adopt(self, engine: int, buckets: Iterable[WeightBucket]) -> None:
         """Bring the new engine ``engine`` (still out of service) to the current weights: load
         ``buckets`` (the last one resets its prefix cache) and every adapter version held
@@ -217,10 +229,7 @@ class RayLink:
         for n, bucket in enumerate(todo, 1):
             ref = worker.apply_bucket.remote("", pickle.dumps(bucket), bucket.transport, n == len(todo))
             self.group.get([ref], names=[name])
-        host = transport_named(self.transport).host
-        for version, named in self._adapters.items():
-            adapter = pickle.dumps(pack_bucket(named, host, check_finite=False))
-            self.group.get([worker.load_adapter.remote(version, adapter)], names=[name])
+        self.give_adapters(engine)
         if self.channels:
             addresses = self.group.get(
                 [worker.open_channels.remote(self._authkey, self.capacity)], names=[name]

@@ -120,7 +120,8 @@ def read_peft_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.
 
     Raises:
         ConfigError: a folder without them, or a setup rollgen does not serve (DoRA, rsLoRA,
-            per-layer ranks, targets given as a regular expression)."""
+            per-layer ranks or layers, trained biases or whole modules, targets given as a
+            regular expression)."""
     from safetensors.torch import load_file
 
     folder = Path(path)
@@ -129,7 +130,17 @@ def read_peft_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.
         tensors = load_file(folder / "adapter_model.safetensors")
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{folder} is not a PEFT adapter folder: {exc}") from None
-    unsupported = [k for k in ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern") if setup.get(k)]
+    keys = (
+        "use_dora",
+        "use_rslora",
+        "rank_pattern",
+        "alpha_pattern",
+        "layers_to_transform",
+        "modules_to_save",
+    )
+    unsupported = [k for k in keys if setup.get(k)] + [
+        f"bias {b!r}" for b in [setup.get("bias")] if b not in (None, "none")
+    ]
     targets = setup.get("target_modules")
     if unsupported or not isinstance(targets, list):
         raise ConfigError(

@@ -163,7 +163,11 @@ class Cohorts:
         self._cohorts: list[tuple[Decoder, list[str]]] = []
 
     def add(self, requests: list[SampleRequest]) -> None:
-        self._cohorts.append((self._decoder(requests), [r.key for r in requests]))
+        """One decoder per adapter version among ``requests``: a decoder steps its finished rows
+        until all end, and a version no running sample uses may be dropped meanwhile."""
+        for version in dict.fromkeys(r.params.adapter for r in requests):
+            cohort = [r for r in requests if r.params.adapter == version]
+            self._cohorts.append((self._decoder(cohort), [r.key for r in cohort]))
 
     def abort(self, keys: list[str]) -> None:
         wanted = set(keys)

@@ -75,10 +75,21 @@ class HfGeneration(BaseGeneration):
         link = InProcessLink(
             facts,
             self._load_weights,
-            load_adapter=self.adapters and self.adapters.load,
-            drop_adapter=self.adapters and self.adapters.drop,
+            load_adapter=self.adapters and self._load_adapter,
+            drop_adapter=self.adapters and self._drop_adapter,
         )
         self.link_engine(link, weights=self._weights)
+
+    def _load_adapter(self, version: int, named: Named) -> None:
+        """Between two steps of the streamed samples (a ``keep`` update leaves them running)."""
+        adapters = self.adapters
+        if adapters is not None:
+            self._decoding.call(lambda: adapters.load(version, named))
+
+    def _drop_adapter(self, version: int) -> None:
+        adapters = self.adapters
+        if adapters is not None:
+            self._decoding.call(lambda: adapters.drop(version))
 
     def _weights(self) -> WeightSpec:
         return WeightSpec.of_module(self.model)

@@ -53,7 +53,11 @@ def engine_kwargs(spec: WorkerSpec, executor: str | None) -> dict[str, Any]:
     if vcfg["kv_cache_memory_bytes"]:
         kwargs["kv_cache_memory_bytes"] = vcfg["kv_cache_memory_bytes"]
     if spec.lora is not None:
-        kwargs.update(lora_kwargs(spec.lora))
+        lora = lora_kwargs(spec.lora)
+        clash = sorted(set(lora) & set(spec.engine_kwargs))
+        if clash:
+            raise ConfigError(f"vllm_kwargs {clash}: the config's lora sets them (rank, max_versions)")
+        kwargs.update(lora)
     kwargs.update(spec.engine_kwargs)
     return kwargs
 
