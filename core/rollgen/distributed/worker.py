@@ -195,12 +195,20 @@ class EngineWorker(ABC):
         worker's own pickle) as adapter ``version``; samples whose ``SampleParams.adapter`` is
         ``version`` decode with it. Samples may be running (a ``keep`` update leaves them on
         their version): it is loaded between two engine steps."""
+        self._require_lora()
         bucket = pickle.loads(data).resolve()
         self._streaming.call(lambda: self._load_adapter_bucket(version, bucket))
 
     def drop_adapter(self, version: int) -> None:
         """Free adapter ``version`` (no sample decodes with it any more), between two steps."""
+        self._require_lora()
         self._streaming.call(lambda: self._drop_adapter(version))
+
+    def _require_lora(self) -> None:
+        if self.spec.lora is None:
+            raise RefitError(
+                f"{type(self).__name__} was started without the config's lora; it holds no adapters"
+            )
 
     def open_channels(self, authkey: bytes, capacity: int) -> list[str]:
         """The address of a refit channel to each of this engine's ranks, which loads what

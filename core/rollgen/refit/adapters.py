@@ -41,6 +41,19 @@ def is_adapter(target: str, partial: bool, buckets: int = 1) -> bool:
     return target == "adapter"
 
 
+def lora_settings(lora: Mapping[str, Any]) -> tuple[int, float, list[str]]:
+    """The config's ``lora`` as (rank, alpha, target modules): alpha is the rank and the targets
+    every projection unless it names them."""
+    rank = int(lora["rank"])
+    return rank, float(lora.get("alpha") or rank), list(lora.get("target_modules") or DEFAULT_LORA_TARGETS)
+
+
+def peft_setup(lora: Mapping[str, Any]) -> dict[str, Any]:
+    """The PEFT setup (``adapter_config.json``'s keys) of the config's ``lora``."""
+    rank, alpha, targets = lora_settings(lora)
+    return {"r": rank, "lora_alpha": alpha, "target_modules": targets}
+
+
 @dataclass(frozen=True)
 class AdapterSpec:
     """The adapter an engine takes.
@@ -62,8 +75,8 @@ class AdapterSpec:
 
         Raises:
             ConfigError: a target that is an embedding, or targets that name no linear layer."""
-        rank = int(lora["rank"])
-        targets = set(lora.get("target_modules") or DEFAULT_LORA_TARGETS)
+        rank, alpha, names = lora_settings(lora)
+        targets = set(names)
         weights, layers = WeightSpec(), []
         for name, (shape, dtype) in model.items():
             layer, _, leaf = name.rpartition(".")
@@ -80,7 +93,7 @@ class AdapterSpec:
                 f"lora.target_modules {sorted(targets)} name no linear layer of the model (its layers' "
                 f"names end in {sorted({n.rpartition('.')[0].rpartition('.')[2] for n in model})})"
             )
-        return cls(weights, tuple(layers), rank, float(lora.get("alpha") or rank) / rank)
+        return cls(weights, tuple(layers), rank, alpha / rank)
 
     def factors(self, named: Named) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Each target layer's (A, B), from a checked adapter's named tensors."""

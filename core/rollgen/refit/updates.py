@@ -10,7 +10,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -95,10 +95,11 @@ class WeightUpdates:
     @property
     def adapter_spec(self) -> AdapterSpec:
         """What an adapter refit sends (PEFT's names, the config's rank, the engine's dtype)."""
-        if self._lora is None:
+        lora = self._lora
+        if lora is None:
             raise RefitError(f"{self.name}: no adapters; name a LoRA setup in the config's lora to refit one")
         if self._adapter_spec is None:
-            self._adapter_spec = AdapterSpec.of(self._lora, self.spec)
+            self._adapter_spec = AdapterSpec.of(lora, self.spec)
         return self._adapter_spec
 
     @property
@@ -257,9 +258,9 @@ class WeightUpdates:
         others survive it, on those once more); samples started from then on decode with it.
         Under ``keep`` samples in flight finish on their version (it stays held); a version
         that failed to load on some engine is dropped from all."""
-        versions, link, streams = self.adapters, self._engines, self._streams
-        if versions is None:
-            raise RefitError(f"{self.name}: no adapters; name a LoRA setup in the config's lora to refit one")
+        link, streams = self._engines, self._streams
+        # both callers checked the adapter against adapter_spec, which needs the config's lora
+        versions = cast(AdapterVersions, self.adapters)
         with streams.update(mode, fresh=lambda: self.stale is None, interrupt=mode != "keep"):
             for old in versions.to_drop(streams.adapters_in_use()):
                 self._surviving(functools.partial(link.drop_adapter, old))

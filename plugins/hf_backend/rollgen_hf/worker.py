@@ -10,7 +10,6 @@ import torch
 
 from rollgen.data import right_pad
 from rollgen.distributed.worker import EngineWorker
-from rollgen.errors import RefitError
 from rollgen.refit import Named, WeightBucket, WeightSpec, device_uuid, load_into_module
 from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, receive
 from rollgen.rollout import SampleRequest
@@ -84,16 +83,12 @@ class HfWorker(EngineWorker):
         load_into_module(self.model, bucket.unpack())
 
     def _load_adapter(self, version: int, named: Named) -> None:
-        self._lora_layers.load(version, named)
+        if self.adapters is not None:  # EngineWorker.load_adapter checked the config's lora
+            self.adapters.load(version, named)
 
     def _drop_adapter(self, version: int) -> None:
-        self._lora_layers.drop(version)
-
-    @property
-    def _lora_layers(self) -> LoraLayers:
-        if self.adapters is None:
-            raise RefitError("this hf-ray engine was started without the config's lora; it holds no adapters")
-        return self.adapters
+        if self.adapters is not None:
+            self.adapters.drop(version)
 
     def _devices(self) -> list[str]:
         return [device_uuid(self.device)] if self.device.type == "cuda" else []

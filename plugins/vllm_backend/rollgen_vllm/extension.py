@@ -110,8 +110,8 @@ class RollgenWorkerExtension:
         ``setup`` (``r``, ``lora_alpha``, ``target_modules``) as the LoRA whose ``lora_int_id`` is
         ``version`` (loaded again: replaced)."""
         bucket = pickle.loads(per_rank[self.rollgen_rank]).resolve()
-        # copies: the bucket's memory is the sender's
-        tensors = {name: t.clone() for name, t in bucket.unpack()}
+        # host copies (vLLM builds its LoRAs on the host): the bucket's memory is the sender's
+        tensors = {name: t.to("cpu", copy=True) for name, t in bucket.unpack()}
         self.rollgen_add_lora(version, tensors, setup)
         self.rollgen_adapters[version] = (tensors, setup)
 

@@ -10,11 +10,12 @@ import os
 import pickle
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from rollgen.distributed.worker import EngineWorker, WorkerSpec
-from rollgen.errors import ConfigError, RefitError, RollgenError
+from rollgen.errors import ConfigError, RollgenError
 from rollgen.refit import WeightBucket, WeightSpec, transport_named
+from rollgen.refit.adapters import peft_setup
 from rollgen.refit.transports.collective import SyncGroupSpec
 from rollgen.rollout import SampleRequest
 from rollgen.sampling import SampleParams
@@ -73,13 +74,6 @@ def lora_kwargs(lora: Mapping[str, Any]) -> dict[str, Any]:
     if not fits:
         raise ConfigError(f"lora.rank={rank}: vLLM serves LoRA ranks up to {ranks[-1]}")
     return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": versions, "max_cpu_loras": versions}
-
-
-def peft_setup(lora: Mapping[str, Any]) -> dict[str, Any]:
-    """The PEFT setup (``adapter_config.json``'s keys) of the config's ``lora``."""
-    rank = int(lora["rank"])
-    targets = list(lora["target_modules"])
-    return {"r": rank, "lora_alpha": lora.get("alpha") or rank, "target_modules": targets}
 
 
 def lora_request(adapter: int | None) -> Any:
@@ -259,9 +253,7 @@ class VllmWorker(EngineWorker):
         )
 
     def _load_adapter_bucket(self, version: int, bucket: WeightBucket) -> None:
-        lora = self.spec.lora
-        if lora is None:
-            raise RefitError("this vLLM engine was started without the config's lora; it holds no adapters")
+        lora = cast(Mapping[str, Any], self.spec.lora)  # EngineWorker.load_adapter checked it
         # one pickle per TP rank, as for weights: shared-memory handles open once each
         per_rank = [pickle.dumps(bucket) for _ in range(self.spec.tensor_parallel_size)]
         self._rpc(RollgenWorkerExtension.rollgen_load_adapter, version, per_rank, peft_setup(lora))
