@@ -129,7 +129,6 @@ class RollgenWorkerExtension:
         manager = self.model_runner.lora_manager
         adapters = manager._adapter_manager
         model = adapters.model
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
         try:
             helper = PEFTHelper.from_dict(setup)
             helper.validate_legal(manager.lora_config)
@@ -141,7 +140,7 @@ class RollgenWorkerExtension:
                 device="cpu",
                 dtype=manager.lora_config.lora_dtype,
                 model_vocab_size=manager.vocab_size,
-                weights_mapper=mapper and mapper.get_rename_mapper(),
+                weights_mapper=lora_name_mapper(model),
                 skip_prefixes=getattr(model, "lora_skip_prefixes", None),
             )
             adapters.remove_adapter(version)
@@ -227,3 +226,16 @@ def check_extension(path: str) -> None:
         raise ConfigError(f"vllm_kwargs.worker_extension_cls {path!r} cannot be imported: {exc}") from None
     if not (isinstance(cls, type) and issubclass(cls, RollgenWorkerExtension)):
         raise ConfigError(f"vllm_kwargs.worker_extension_cls {path!r} must subclass {EXTENSION}")
+
+
+def lora_name_mapper(model: Any) -> Any:
+    """The model's HF-to-vLLM renames as vLLM's own LoRA loader applies them to adapter names
+    (None: the model has none). vLLM 0.32 calls this ``get_rename_mapper``, 0.26
+    ``get_unstacked_mapper``."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return None
+    for method in ("get_rename_mapper", "get_unstacked_mapper"):
+        if hasattr(mapper, method):
+            return getattr(mapper, method)()
+    return mapper
