@@ -88,7 +88,7 @@ def test_text_that_is_not_unicode_is_a_400(server: Any) -> None:
     bad_request(raw("/chat/completions", chat), "messages[0].content")
 
 
-def test_messages_the_template_cannot_render_are_a_400(server: Any) -> None:
+def test_messages_the_template_cannot_render_are_a_400(server: Any, gen: Any) -> None:
     malformed = {
         "model": server.model_id,
         "messages": [
@@ -97,14 +97,11 @@ def test_messages_the_template_cannot_render_are_a_400(server: Any) -> None:
         ],
     }
     bad_request(post(server, "/chat/completions", malformed), "tool_calls", "function")
-    template = server.state.served.tokenizer.chat_template
-    server.state.served.tokenizer.chat_template = "{{ raise_exception('no tools here') }}"
-    try:
+    with rollgen.serve(gen, api_key=KEY, front="thread") as inside:  # its tokenizer is reached here
+        inside.state.served.tokenizer.chat_template = "{{ raise_exception('no tools here') }}"
         message = bad_request(
-            post(server, "/chat/completions", {"model": server.model_id, "messages": [{"role": "user"}]})
+            post(inside, "/chat/completions", {"model": inside.model_id, "messages": [{"role": "user"}]})
         )
-    finally:
-        server.state.served.tokenizer.chat_template = template
     assert "chat template" in message and "no tools here" in message
 
 
@@ -216,9 +213,14 @@ def test_limits_must_be_positive() -> None:
         Limits(client_timeout_s=0)
 
 
-def test_tokenizing_runs_off_the_event_loop(server: Any) -> None:
+def test_tokenizing_runs_off_the_event_loop(gen: Any) -> None:
     """While a prompt is being tokenized (here held in the tokenizer until the test lets it
     go), the server answers others: the work is on a text worker, not the event loop."""
+    with rollgen.serve(gen, api_key=KEY, front="thread") as server:  # its tokenizer is reached here
+        tokenizing_waits_for_no_one(server)
+
+
+def tokenizing_waits_for_no_one(server: Any) -> None:
     served = server.state.served
     entered, release = threading.Event(), threading.Event()
     encode = served.encode

@@ -280,7 +280,7 @@ def test_a_served_sessions_turns_stay_on_the_replica_that_holds_its_prefix(dp2) 
 
     key = "replicas-key-" + "0" * 20
     auth = {"Authorization": f"Bearer {key}"}
-    with rollgen.serve(dp2, api_key=key) as server:
+    with rollgen.serve(dp2, api_key=key, front="thread") as server:  # its sessions are reached here
         client = openai.OpenAI(base_url=server.url, api_key=key, max_retries=0)
         before = httpx.get(f"{server.url}/rollgen/status", headers=auth).json()["replicas"]
 

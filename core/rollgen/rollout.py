@@ -358,6 +358,10 @@ class Rollout:
     def __aiter__(self) -> AsyncIterator[SampleResult]:
         return self._aiterate(self._results_feed)
 
+    def result_batches(self) -> AsyncIterator[list[SampleResult]]:
+        """The results as ``async for`` gives them, in lists of those ready at once."""
+        return self._abatches(self._results_feed)
+
     def events(self) -> Events:
         """Each sample's new tokens as the engine makes them (``TokenDelta``), then its
         ``SampleResult``, from threads (``for``) or asyncio (``async for``); a reader of its own,

@@ -6,7 +6,6 @@ workers; the event loop only moves requests, tokens and bytes."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -57,7 +56,7 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
     served = state.served
 
     def check(req: OpenAIRequest) -> None:
-        if req.model not in (served.model_id, served.gen.cfg["model_name"]):
+        if req.model not in (served.model_id, served.facts.model_name):
             raise HttpError(
                 404,
                 f"model {req.model!r} is not served here; it serves {served.model_id!r}",
@@ -81,7 +80,7 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        gen = served.gen
+        facts, live = served.facts, await served.port.live()
         return {
             "object": "list",
             "data": [
@@ -90,25 +89,26 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
                     "object": "model",
                     "created": int(time.time()),
                     "owned_by": "rollgen",
-                    "max_model_len": gen.max_model_len,
-                    "backend": gen.name,
-                    "capabilities": sorted(c.value for c in gen.capabilities),
+                    "max_model_len": facts.max_model_len,
+                    "backend": facts.name,
+                    "capabilities": list(facts.capabilities),
                     "logprobs_mode": served.logprobs_mode,
-                    "weight_version": gen.weight_version,
+                    "weight_version": live.weight_version,
                 }
             ],
         }
 
     @app.get("/v1/rollgen/status")
     async def status() -> dict[str, Any]:
+        live = await served.port.live()
         return {
-            "weight_version": served.gen.weight_version,
-            "usable": served.gen.usable,
+            "weight_version": live.weight_version,
+            "usable": live.usable,
             "requests_running": state.running,
             "requests_waiting": served.waiting,
             "sessions": len(state.sessions),
             "closing": state.closing,
-            "replicas": [dataclasses.asdict(r) for r in served.gen.replica_load()],
+            "replicas": live.replicas,
         }
 
     @app.post("/v1/rollgen/cancel")

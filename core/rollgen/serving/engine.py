@@ -1,7 +1,7 @@
-"""The served generation: requests → ``submit`` batches, the model's tokenizer and chat template.
-Every request is a streamed rollout, so a refit the trainer makes while serving treats requests
-in flight as its ``mode`` says (``wait``, ``abort``, ``keep``). Work that grows with what a
-client sends or a model writes (tokenizing, rendering, parsing) runs on worker threads
+"""The served generation: requests → the port's ``submit``, the model's tokenizer and chat
+template. Every request is a streamed rollout, so a refit the trainer makes while serving treats
+requests in flight as its ``mode`` says (``wait``, ``abort``, ``keep``). Work that grows with what
+a client sends or a model writes (tokenizing, rendering, parsing) runs on worker threads
 (``off_loop``), never on the event loop."""
 
 from __future__ import annotations
@@ -9,46 +9,34 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import torch
-
-from rollgen.errors import EngineAsleep, InputError, StaleWeights, UnsupportedCapability
-from rollgen.interface import GenerationInterface
-from rollgen.rollout import Rollout
+from rollgen.errors import EngineAsleep, InputError, StaleWeights
 from rollgen.serving.errors import HttpError
+from rollgen.serving.port import Port, Samples, ServedRollout
 from rollgen.serving.schemas import ChatCompletionRequest, CompletionRequest
 from rollgen.serving.streaming import IncrementalText, StreamedText
-from rollgen.spec import Capability
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
 class ServedGeneration:
-    """A generation as the server uses it. Raises UnsupportedCapability unless the backend
-    declares ``async`` (the server streams every request)."""
+    """The generation as the server uses it, through ``port``, with ``tokenizer`` (the model's)."""
 
     def __init__(
-        self, gen: GenerationInterface, model_id: str, submit_timeout_s: float, text_workers: int = 4
+        self, port: Port, tokenizer: Any, model_id: str, submit_timeout_s: float, text_workers: int = 4
     ) -> None:
-        if Capability.ASYNC not in gen.capabilities:
-            raise UnsupportedCapability(gen.name, Capability.ASYNC.value, "serving (rollgen serve)")
-        self.gen = gen
+        self.port = port
+        self.facts = port.facts
         self.model_id = model_id
         self.submit_timeout_s = submit_timeout_s
-        tokenizer = getattr(gen, "tokenizer", None)
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(gen.cfg["model_name"])
         self.tokenizer = tokenizer
-        #: Requests waiting for the generation to wake or be refitted; the thread that waits.
+        #: Requests waiting for the generation to wake or be refitted; the wait they share.
         self.waiting = 0
-        self._ready: asyncio.Future[bool] | None = None
+        self._ready: asyncio.Future[tuple[bool, bool]] | None = None
         self._closing = False
         self._text = ThreadPoolExecutor(text_workers, thread_name_prefix="rollgen-serve-text")
 
@@ -59,12 +47,11 @@ class ServedGeneration:
 
     @property
     def chat_template(self) -> str | None:
-        template = getattr(self.tokenizer, "chat_template", None)
-        return template if isinstance(template, str) else None
+        return chat_template_of(self.tokenizer)
 
     @property
     def logprobs_mode(self) -> str:
-        return str(self.gen.cfg.get("logprobs_mode", "raw"))
+        return self.facts.logprobs_mode
 
     def render(self, messages: list[dict[str, Any]], generation_prompt: bool, tools: Any = None) -> str:
         """The chat template's text for ``messages`` (``tools`` handed to the template);
@@ -98,43 +85,32 @@ class ServedGeneration:
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         return StreamedText(backend) if backend is not None else IncrementalText(self.decode)
 
-    def batch(self, prompt: Sequence[int], req: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
-        """``n`` copies of ``prompt`` with the request's sampling settings as per-sample keys
-        (only those it sets: the rest are the config's). ``seed`` s gives choice i seed s + i."""
-        n = req.n
-        batch: dict[str, Any] = {
-            "input_ids": torch.tensor([list(prompt)] * n, dtype=torch.long).reshape(n, len(prompt)),
-            "input_lengths": torch.full((n,), len(prompt), dtype=torch.long),
-        }
-        budget = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        for key, value in (
-            ("temperature", req.temperature),
-            ("top_p", req.top_p),
-            ("top_k", req.top_k),
-            ("max_new_tokens", budget),
-        ):
-            if value is not None:
-                batch[key] = torch.full((n,), value)
-        if req.seed is not None:
-            batch["seed"] = torch.arange(req.seed, req.seed + n, dtype=torch.long)
-        if req.stop_strings():
-            batch["stop_strings"] = [req.stop_strings()] * n
-        return batch
+    @staticmethod
+    def samples(prompt: Sequence[int], req: CompletionRequest | ChatCompletionRequest) -> Samples:
+        """``req.n`` samples of ``prompt`` with the request's sampling settings."""
+        return Samples(
+            tuple(prompt),
+            req.n,
+            req.temperature,
+            req.top_p,
+            req.top_k,
+            getattr(req, "max_completion_tokens", None) or req.max_tokens,
+            req.seed,
+            tuple(req.stop_strings()),
+        )
 
     async def submit(
-        self, batch: dict[str, Any], replica: int | None = None, stream_tokens: bool = False
-    ) -> Rollout:
-        """``gen.submit(batch)`` off the event loop. It waits while the trainer holds the
-        generation (a refit, a wake), has put it to sleep (``finish_generation``) or left its
-        weights stale (a refit failed part-way), up to ``submit_timeout_s`` in all, then a 503
-        with ``Retry-After`` (a rollout that starts after that is cancelled at once).
-        ``replica``: the one to prefer (a session's last), as ``gen.submit`` takes it;
-        ``stream_tokens``: the rollout reports tokens as they are made."""
+        self, samples: Samples, replica: int | None = None, stream_tokens: bool = False
+    ) -> ServedRollout:
+        """``samples`` submitted. It waits while the trainer holds the generation (a refit, a
+        wake), has put it to sleep (``finish_generation``) or left its weights stale (a refit
+        failed part-way), up to ``submit_timeout_s`` in all, then a 503 with ``Retry-After`` (a
+        rollout that starts after that is cancelled at once). ``replica``: the one to prefer (a
+        session's last); ``stream_tokens``: the rollout reports tokens as they are made."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.submit_timeout_s
-        submit = functools.partial(self.gen.submit, batch, replica=replica, stream_tokens=stream_tokens)
         while True:
-            started = loop.run_in_executor(None, submit)
+            started = asyncio.ensure_future(self.port.submit(samples, replica, stream_tokens))
             try:
                 return await asyncio.wait_for(asyncio.shield(started), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
@@ -146,21 +122,23 @@ class ServedGeneration:
 
     async def _wait_ready(self, deadline: float) -> bool:
         """Whether the generation became ready (or can never be: the next submit says why)
-        before ``deadline`` (the loop's clock). One thread waits in ``gen.wait_ready`` for
-        every request that waits."""
+        before ``deadline`` (the loop's clock). One wait serves every request that waits."""
         loop = asyncio.get_running_loop()
         self.waiting += 1
         try:
             while (left := deadline - loop.time()) > 0:
                 if self._ready is None or self._ready.done():
-                    self._ready = _watch_ready(self.gen, loop, self.submit_timeout_s)
+                    self._ready = loop.create_future()
+                    waited = asyncio.ensure_future(self.port.wait_ready(self.submit_timeout_s))
+                    waited.add_done_callback(functools.partial(_answered, self._ready))
                 try:
                     await asyncio.wait_for(asyncio.shield(self._ready), left)
                 except asyncio.TimeoutError:
                     return False
                 if self._closing:
                     raise HttpError(503, "the server is shutting down", "server_shutting_down", retry=True)
-                if self._ready.result() or not self.gen.usable:
+                ready, usable = self._ready.result()
+                if ready or not usable:
                     return True
             return False
         finally:
@@ -170,8 +148,8 @@ class ServedGeneration:
         """The server stops (call in its event loop): requests waiting for the generation get
         503 now rather than at their timeout."""
         self._closing = True
-        if self._ready is not None:
-            _settle(self._ready, False)
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result((False, True))
 
     def stop_workers(self) -> None:
         """End the text workers (once the server has stopped: requests still use them before)."""
@@ -183,29 +161,21 @@ class ServedGeneration:
         )
 
 
-def _watch_ready(
-    gen: GenerationInterface, loop: asyncio.AbstractEventLoop, timeout_s: float
-) -> asyncio.Future[bool]:
-    """A future of ``gen.wait_ready(timeout_s)``, waited for in a daemon thread (one the
-    server's shutdown need not wait for)."""
-    future: asyncio.Future[bool] = loop.create_future()
-
-    def wait() -> None:
-        ready = gen.wait_ready(timeout_s)
-        try:
-            loop.call_soon_threadsafe(_settle, future, ready)
-        except RuntimeError:  # the server stopped meanwhile: nobody waits
-            logger.debug("the server stopped while requests waited for the generation")
-
-    threading.Thread(target=wait, name="rollgen-serve-ready", daemon=True).start()
-    return future
+def chat_template_of(tokenizer: Any) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) else None
 
 
-def _settle(future: asyncio.Future[bool], ready: bool) -> None:
-    if not future.done():
-        future.set_result(ready)
+def _answered(ready: asyncio.Future[tuple[bool, bool]], waited: asyncio.Future[tuple[bool, bool]]) -> None:
+    """``ready`` answered by the port's wait (one that failed: not usable, the next submit says why)."""
+    if ready.done():
+        return
+    if waited.cancelled() or waited.exception() is not None:
+        ready.set_result((False, False))
+    else:
+        ready.set_result(waited.result())
 
 
-def _cancel_late(started: asyncio.Future[Rollout]) -> None:
+def _cancel_late(started: asyncio.Future[ServedRollout]) -> None:
     if not started.cancelled() and started.exception() is None:
         started.result().cancel()

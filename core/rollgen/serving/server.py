@@ -1,34 +1,40 @@
-"""``rollgen.serve``: the endpoint in the trainer's process, on uvicorn in a thread of its own,
-beside the generation object the trainer keeps calling (``refit``, ``finish_generation``)."""
+"""``rollgen.serve``: the endpoint beside the generation object the trainer keeps calling
+(``refit``, ``finish_generation``). Its HTTP side runs in a process of its own by default (the
+trainer's process keeps only the generation's end of a pipe, ``rollgen.serving.bridge``), or on
+uvicorn in a thread of the trainer's process (``front="thread"``)."""
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
+import pickle
 import secrets
 import socket
+import subprocess
+import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing import Pipe
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from rollgen.errors import ConfigError, RollgenError
+from rollgen.errors import ConfigError, RollgenError, UnsupportedCapability
 from rollgen.interface import GenerationInterface
-from rollgen.serving.connections import fit_open_files, guarded_protocol
-from rollgen.serving.engine import ServedGeneration
+from rollgen.serving.bridge import Bridge
+from rollgen.serving.engine import chat_template_of
+from rollgen.serving.front import GRACEFUL_S, Front, FrontSpec
+from rollgen.serving.port import Facts, LocalPort
 from rollgen.serving.state import Limits, ServerState
 from rollgen.serving.tools import choose_tool_parser
+from rollgen.spec import Capability
 
 logger = logging.getLogger(__name__)
 
-#: How long ``start`` waits for uvicorn to listen.
+#: How long ``start`` waits for the server to listen.
 START_TIMEOUT_S = 60.0
-#: How long an idle keep-alive connection stays open: well past the 5 s after which httpx (and so
-#: the ``openai`` SDK) stops reusing one, so a client never sends on a connection the server is
-#: closing (uvicorn's own default is those same 5 s: a request sent as the server closes is lost).
-KEEP_ALIVE_S = 60
+#: Where the HTTP side runs: a process of its own, or a thread of the trainer's process.
+FrontKind = Literal["process", "thread"]
 
 
 def is_loopback(host: str) -> bool:
@@ -41,13 +47,15 @@ def is_loopback(host: str) -> bool:
 
 
 class Server:
-    """An OpenAI-compatible endpoint over ``gen`` (a backend that declares ``async``).
+    """An OpenAI-compatible endpoint over ``gen`` (a backend that declares ``async``;
+    UnsupportedCapability otherwise).
 
     ``api_key`` None: one is generated (``server.api_key``); ``require_api_key=False`` turns
     auth off, on a loopback host only. ``model_id``: the name clients pass as ``model`` (the
     model folder's name by default; its path is accepted too). ``tool_parser``: a registered
     parser's name, ``"auto"`` (``hermes`` where the chat template writes ``<tool_call>``), or
-    None."""
+    None. ``front``: where the HTTP side runs (``"process"``: its own; ``"thread"``: this one,
+    where ``server.state`` is its state)."""
 
     def __init__(
         self,
@@ -61,6 +69,7 @@ class Server:
         tool_parser: str | None = "auto",
         limits: Limits | None = None,
         log_level: str = "warning",
+        front: FrontKind = "process",
     ) -> None:
         if not require_api_key and not is_loopback(host):
             raise ConfigError(
@@ -68,24 +77,50 @@ class Server:
             )
         if require_api_key and api_key is not None and len(api_key) < 16:
             raise ConfigError("api_key must be at least 16 characters (or None: one is generated)")
+        if front not in ("process", "thread"):
+            raise ConfigError(f"front must be 'process' or 'thread', not {front!r}")
+        if Capability.ASYNC not in gen.capabilities:
+            raise UnsupportedCapability(gen.name, Capability.ASYNC.value, "serving (rollgen serve)")
+        self.gen = gen
         self.api_key = (api_key or secrets.token_urlsafe(32)) if require_api_key else None
         self.generated_key = require_api_key and api_key is None
-        limits = limits or Limits()
-        served = ServedGeneration(
-            gen, model_id or Path(gen.cfg["model_name"]).name, limits.submit_timeout_s, limits.text_workers
+        tokenizer = getattr(gen, "tokenizer", None)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(gen.cfg["model_name"])
+        self.spec = FrontSpec(
+            model_id or Path(gen.cfg["model_name"]).name,
+            self.api_key,
+            limits or Limits(),
+            choose_tool_parser(tool_parser, chat_template_of(tokenizer)),
+            tokenizer,
+            Facts.of(gen),
+            log_level,
         )
-        self.state = ServerState(served, limits, choose_tool_parser(tool_parser, served.chat_template))
+        self.front = front
         self.host, self._port = host, port
-        self.log_level = log_level
+        self._front: Front | None = None
         self._thread: threading.Thread | None = None
-        self._uvicorn: Any = None
-        self._ready = threading.Event()
         self._failure: BaseException | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._bridge: Bridge | None = None
+        self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def model_id(self) -> str:
-        return self.state.served.model_id
+        return self.spec.model_id
+
+    @property
+    def state(self) -> ServerState:
+        """The HTTP side's state (``front="thread"`` only, once started)."""
+        if self._front is None:
+            raise RollgenError("server.state: only a started server with front='thread' has one here")
+        return self._front.state
+
+    @property
+    def front_pid(self) -> int | None:
+        """The HTTP side's process (None with ``front="thread"``, or before ``start``)."""
+        return self._process.pid if self._process is not None else None
 
     @property
     def port(self) -> int:
@@ -99,10 +134,6 @@ class Server:
 
     def start(self) -> Server:
         """Listen (port 0: a free one, then ``port`` says which) and return once serving."""
-        import uvicorn
-
-        from rollgen.serving.app import build_app
-
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -112,63 +143,74 @@ class Server:
             sock.close()
             raise ConfigError(f"cannot listen on {self.host}:{self._port}: {exc}") from None
         self._port = sock.getsockname()[1]
+        # listening now: a client that connects as soon as start() returns is not refused
+        sock.listen(2048)
+        try:
+            started = self._start_thread(sock) if self.front == "thread" else self._start_process(sock)
+        except BaseException:
+            self.stop()
+            raise
+        if not started:
+            why = self._failure if self._bridge is None else self._bridge.stopped
+            self.stop()
+            raise RollgenError(f"the server did not start on {self.url}: {why}")
+        logger.info("rollgen serving %s (%s) at %s", self.model_id, self.spec.facts.name, self.url)
+        return self
 
-        @asynccontextmanager
-        async def lifespan(app: Any) -> AsyncIterator[None]:
-            self._loop = asyncio.get_running_loop()
-            self._ready.set()
-            yield
-            self.state.closing = True
-
-        app = build_app(self.state, self.api_key, lifespan)
-        limits = self.state.limits
-        config = uvicorn.Config(
-            app,
-            http=guarded_protocol(
-                fit_open_files(limits.max_connections), limits.client_timeout_s, limits.retry_after_s
-            ),
-            log_level=self.log_level,
-            lifespan="on",
-            timeout_graceful_shutdown=30,
-            timeout_keep_alive=KEEP_ALIVE_S,
-        )
-        # listening now: uvicorn runs the lifespan's startup (which says ready) before it listens,
-        # and a client that connects as soon as start() returns would be refused
-        sock.listen(config.backlog)
-        self._uvicorn = uvicorn.Server(config)
+    def _start_thread(self, sock: socket.socket) -> bool:
+        front = self._front = Front(self.spec, LocalPort(self.gen))
+        ready = threading.Event()
 
         def run() -> None:
             try:
-                self._uvicorn.run(sockets=[sock])
+                front.run(sock, lambda loop: ready.set())
             except BaseException as exc:  # noqa: BLE001 - start() raises it in the caller's thread
                 self._failure = exc
             finally:
                 sock.close()
-                self._ready.set()
+                ready.set()
 
         self._thread = threading.Thread(target=run, name="rollgen-serve", daemon=True)
         self._thread.start()
-        if not self._ready.wait(START_TIMEOUT_S) or self._failure is not None or not self._thread.is_alive():
-            self.stop()
-            raise RollgenError(f"the server did not start on {self.url}: {self._failure!r}")
-        logger.info("rollgen serving %s (%s) at %s", self.model_id, self.state.served.gen.name, self.url)
-        return self
+        return ready.wait(START_TIMEOUT_S) and self._failure is None and self._thread.is_alive()
+
+    def _start_process(self, sock: socket.socket) -> bool:
+        ours, theirs = Pipe()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "rollgen.serving", str(theirs.fileno()), str(sock.fileno())],
+                pass_fds=(theirs.fileno(), sock.fileno()),
+            )
+        finally:
+            theirs.close()
+            sock.close()
+        self._bridge = Bridge(self.gen, ours)
+        # its import path first: the spec may hold classes of the caller's (a tool parser)
+        self._bridge.start(("setup", list(sys.path), pickle.dumps(self.spec)))
+        serving = self._bridge.serving.wait(START_TIMEOUT_S)
+        return serving and self._bridge.stopped is None
 
     def stop(self) -> None:
         """Refuse new requests (503), let those in flight end, stop listening. Idempotent; the
         generation stays the caller's."""
-        self.state.closing = True
-        if self._loop is not None and not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(self.state.served.close)
-            except RuntimeError:  # the loop closed meanwhile: nothing waits in it
-                logger.debug("the server's loop closed before stop")
-        if self._uvicorn is not None:
-            self._uvicorn.should_exit = True
+        if self._front is not None:
+            self._front.stop()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self.state.served.stop_workers()
+        if self._process is not None:
+            if self._bridge is not None:
+                self._bridge.stop_server()
+            try:
+                self._process.wait(GRACEFUL_S + 10)
+            except subprocess.TimeoutExpired:
+                logger.warning("the server's process did not stop in %d s: killing it", GRACEFUL_S + 10)
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+        if self._bridge is not None:
+            self._bridge.close()
+            self._bridge = None
 
     def __enter__(self) -> Server:
         return self.start()

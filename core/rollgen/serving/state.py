@@ -7,9 +7,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, fields
 
 from rollgen.errors import ConfigError
-from rollgen.rollout import Rollout, SampleResult, TokenDelta
+from rollgen.rollout import SampleResult, TokenDelta
 from rollgen.serving.engine import ServedGeneration
 from rollgen.serving.errors import HttpError
+from rollgen.serving.port import ServedRollout
 from rollgen.serving.schemas import ChatCompletionRequest, CompletionRequest
 from rollgen.serving.sessions import Session, SessionLimit, Sessions
 from rollgen.serving.tools import ToolParser
@@ -58,7 +59,7 @@ class ServerState:
         self.limits = limits
         self.tool_parser = tool_parser
         self.sessions = Sessions(limits.max_sessions)
-        self.requests: dict[str, Rollout] = {}
+        self.requests: dict[str, ServedRollout] = {}
         self.running = 0
         self.closing = False
 
@@ -83,7 +84,7 @@ class Turn:
     def __init__(self, state: ServerState, req: Request) -> None:
         self.state, self.req = state, req
         self.session: Session | None = None
-        self.rollout: Rollout | None = None
+        self.rollout: ServedRollout | None = None
         self.prompt: list[int] = []
         self._admitted = False
 
@@ -114,26 +115,28 @@ class Turn:
         rid = self.req.request_id
         if rid is not None and rid in self.state.requests:
             raise HttpError(400, f"request_id {rid!r} is in flight already")
-        batch = self.state.served.batch(self.prompt, self.req)
+        samples = self.state.served.samples(self.prompt, self.req)
         replica = self.session.replica if self.session is not None else None
-        self.rollout = await self.state.served.submit(batch, replica, stream_tokens=self.req.stream)
+        self.rollout = await self.state.served.submit(samples, replica, stream_tokens=self.req.stream)
         if rid is not None:
             self.state.requests[rid] = self.rollout
 
-    def _started(self) -> Rollout:
+    def _started(self) -> ServedRollout:
         if self.rollout is None:
             raise RuntimeError("a turn's results before Turn.start")
         return self.rollout
 
     async def results(self) -> AsyncIterator[SampleResult]:
         """Each choice's result as it finishes."""
-        async for result in self._started():
-            yield result
+        async for batch in self._started().batches():
+            for result in batch:
+                if isinstance(result, SampleResult):
+                    yield result
 
     def events(self) -> AsyncIterator[list[TokenDelta | SampleResult]]:
         """Each choice's tokens as they are made, then its result, in batches of those ready at
         once (a streamed request's)."""
-        return self._started().events().batches()
+        return self._started().batches()
 
     def close(self) -> None:
         if self.rollout is not None:

@@ -1,0 +1,365 @@
+"""Both ends of the pipe between the server's process and the trainer's: ``Bridge``, in the
+trainer's process, serves the ``Port`` calls of ``RemotePort``, in the server's, on the
+generation. The pipe is made by the trainer's process and handed to the server's process it
+starts (no one else holds it), so what comes through it is trusted as that process's own.
+
+Messages are tuples, sent in lists of those ready at once (one write per event-loop turn). The
+server's process asks ``("submit", id, Samples, replica, stream_tokens)``, ``("cancel", id)``,
+``("ready", id, timeout_s)``, ``("live", id)``, and says ``("serving",)`` once it listens and
+``("stopped", why)`` as it ends; the trainer's answers ``("submitted", id)`` or ``("refused", id,
+error)``, then ``("events", id, [TokenDelta | SampleResult])`` and ``("done", id)`` or
+``("failed", id, error)``; ``("ready", id, (ready, usable))``, ``("live", id, Live)``; and it
+sends ``("setup", sys.path, pickled FrontSpec)`` first and ``("stop",)`` to end the server."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from rollgen.errors import EngineClosed, RollgenError
+from rollgen.interface import GenerationInterface
+from rollgen.serving.port import Events, Facts, Live, LocalPort, LocalRollout, Samples, live_of
+
+logger = logging.getLogger(__name__)
+
+#: How long a question about the generation's state (``live``) waits for the trainer's process.
+ANSWER_TIMEOUT_S = 30.0
+Message = tuple[Any, ...]
+
+
+class PipeEnd:
+    """One end: ``post`` queues a message (from the event loop's thread), sent with the others
+    of the same loop turn by a writer thread; a reader thread hands each list received to
+    ``handle`` in the loop, and ``None`` once the other end is gone."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self.conn, self.name = conn, name
+        self._pending: list[Message] = []
+        self._out: queue.SimpleQueue[list[Message] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop, handle: Callable[[list[Message] | None], None]) -> None:
+        self._loop = loop
+
+        def read() -> None:
+            while True:
+                try:
+                    messages = self.conn.recv()
+                except (EOFError, OSError):
+                    messages = None
+                try:
+                    loop.call_soon_threadsafe(handle, messages)
+                except RuntimeError:  # the loop is closed: nobody reads any more
+                    return
+                if messages is None:
+                    return
+
+        def write() -> None:
+            while (messages := self._out.get()) is not None:
+                try:
+                    self.conn.send(messages)
+                except (OSError, ValueError):  # the other end is gone: its reader says so
+                    return
+
+        for target, role in ((read, "read"), (write, "write")):
+            thread = threading.Thread(target=target, name=f"{self.name}-{role}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def post(self, message: Message) -> None:
+        if not self._pending and self._loop is not None:
+            self._loop.call_soon(self._flush)
+        self._pending.append(message)
+
+    def _flush(self) -> None:
+        messages, self._pending = self._pending, []
+        if messages:
+            self._out.put(messages)
+
+    def close(self, last: Message | None = None) -> None:
+        """Stop writing (what was posted is sent first, then ``last``) and close this end (once
+        the loop no longer runs)."""
+        self._flush()
+        writer = [t for t in self._threads if t.name.endswith("-write")]
+        if last is not None:
+            if writer:
+                self._out.put([last])
+            else:
+                try:
+                    self.conn.send([last])
+                except (OSError, ValueError):
+                    logger.debug("%s: the other end is gone", self.name)
+        self._out.put(None)
+        for thread in writer:
+            thread.join()
+        self.conn.close()
+
+
+class Bridge:
+    """The trainer's end: the server process's requests run on ``gen`` (through a
+    ``LocalPort``), in an event loop of its own thread, never the caller's."""
+
+    def __init__(self, gen: GenerationInterface, conn: Connection) -> None:
+        self.port = LocalPort(gen)
+        self.pipe = PipeEnd(conn, "rollgen-serve-bridge")
+        self.serving = threading.Event()
+        #: Why the server's process stopped, once it has (None while it runs).
+        self.stopped: str | None = None
+        self._loop = asyncio.new_event_loop()
+        self._rollouts: dict[int, LocalRollout] = {}
+        self._cancelled: set[int] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="rollgen-serve-bridge", daemon=True
+        )
+
+    def start(self, first: Message) -> None:
+        """Serve the pipe, sending ``first`` before anything else."""
+        self._thread.start()
+        self.pipe.start(self._loop, self._handle)
+        self._loop.call_soon_threadsafe(self.pipe.post, first)
+
+    def stop_server(self) -> None:
+        """Ask the server's process to stop (it lets the requests in flight end first)."""
+        self._loop.call_soon_threadsafe(self.pipe.post, ("stop",))
+
+    def close(self) -> None:
+        """Cancel what still runs, close the pipe and the loop (once the server's process ended)."""
+
+        async def end() -> None:
+            for rollout in self._rollouts.values():
+                rollout.cancel()
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            self._loop.stop()
+
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(end(), self._loop)
+            self._thread.join()
+        self.pipe.close()
+        self._loop.close()
+
+    # ---- in the bridge's loop --------------------------------------------------------------------
+    def _handle(self, messages: list[Message] | None) -> None:
+        if messages is None:  # the server's process is gone: nobody reads its requests' answers
+            self.stopped = self.stopped or "the server's process ended"
+            self.serving.set()
+            for rollout in self._rollouts.values():
+                rollout.cancel()
+            return
+        for message in messages:
+            kind = message[0]
+            if kind == "submit":
+                self._spawn(self._submit(*message[1:]))
+            elif kind == "cancel":
+                self._cancel(message[1])
+            elif kind == "ready":
+                self._spawn(self._ready(*message[1:]))
+            elif kind == "live":
+                self.pipe.post(("live", message[1], live_of(self.port.gen)))
+            elif kind == "serving":
+                self.serving.set()
+            elif kind == "stopped":
+                self.stopped = message[1]
+                self.serving.set()
+
+    def _spawn(self, work: Any) -> None:
+        task = self._loop.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _cancel(self, rid: int) -> None:
+        rollout = self._rollouts.get(rid)
+        if rollout is not None:
+            rollout.cancel()
+        else:  # not submitted yet: cancelled once it is
+            self._cancelled.add(rid)
+
+    async def _submit(self, rid: int, samples: Samples, replica: int | None, stream_tokens: bool) -> None:
+        try:
+            rollout = await self.port.submit(samples, replica, stream_tokens)
+        except RollgenError as exc:
+            self._refused(rid, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a backend's bug: that request's 500 names it
+            logger.exception("submit of a served request failed")
+            self._refused(rid, RollgenError(f"submit failed: {type(exc).__name__}: {exc}"))
+            return
+        self._rollouts[rid] = rollout
+        if rid in self._cancelled:
+            self._cancelled.discard(rid)
+            rollout.cancel()
+        self.pipe.post(("submitted", rid))
+        try:
+            async for batch in rollout.batches():
+                self.pipe.post(("events", rid, batch))
+            self.pipe.post(("done", rid))
+        except RollgenError as exc:
+            self.pipe.post(("failed", rid, exc))
+        except Exception as exc:  # noqa: BLE001 - a backend's bug: that request's answer names it
+            logger.exception("a served rollout failed")
+            self.pipe.post(("failed", rid, RollgenError(f"the rollout failed: {type(exc).__name__}: {exc}")))
+        finally:
+            del self._rollouts[rid]
+
+    def _refused(self, rid: int, error: RollgenError) -> None:
+        self._cancelled.discard(rid)
+        self.pipe.post(("refused", rid, error))
+
+    async def _ready(self, wid: int, timeout_s: float) -> None:
+        self.pipe.post(("ready", wid, await self.port.wait_ready(timeout_s)))
+
+
+class RemoteRollout:
+    """A rollout in the trainer's process, as the server's process reads it."""
+
+    def __init__(self, port: RemotePort, rid: int) -> None:
+        self.port, self.rid = port, rid
+        self._ready: deque[Events] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._ended = False
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._ended
+
+    async def batches(self) -> AsyncIterator[Events]:
+        while True:
+            if self._ready:
+                yield self._ready.popleft()
+                continue
+            if self._ended:
+                if self._error is not None:
+                    raise self._error
+                return
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+    def cancel(self) -> None:
+        if not self._ended:
+            self.port.pipe.post(("cancel", self.rid))
+
+    def _add(self, batch: Events) -> None:
+        self._ready.append(batch)
+        self._wake()
+
+    def _end(self, error: BaseException | None) -> None:
+        self._ended, self._error = True, error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class RemotePort:
+    """The server's end: the ``Port`` of a generation in the trainer's process. ``on_stop`` is
+    called in the loop when the trainer asks the server to stop or its process is gone."""
+
+    def __init__(self, conn: Connection, facts: Facts, on_stop: Callable[[], None]) -> None:
+        self.facts = facts
+        self.pipe = PipeEnd(conn, "rollgen-serve-port")
+        self.on_stop = on_stop
+        self._ids = itertools.count()
+        self._answers: dict[int, asyncio.Future[Any]] = {}
+        self._rollouts: dict[int, RemoteRollout] = {}
+        self._gone = False
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.pipe.start(loop, self._handle)
+
+    async def submit(self, samples: Samples, replica: int | None, stream_tokens: bool) -> RemoteRollout:
+        rid = next(self._ids)
+        rollout = RemoteRollout(self, rid)
+        self._rollouts[rid] = rollout
+        try:
+            await self._ask(rid, ("submit", rid, samples, replica, stream_tokens), None)
+        except asyncio.CancelledError:
+            if self._rollouts.pop(rid, None) is not None and not self._gone:
+                self.pipe.post(("cancel", rid))  # its asker left: once submitted it is cancelled
+            raise
+        except BaseException:
+            self._rollouts.pop(rid, None)
+            raise
+        return rollout
+
+    async def wait_ready(self, timeout_s: float) -> tuple[bool, bool]:
+        wid = next(self._ids)
+        ready: tuple[bool, bool] = await self._ask(
+            wid, ("ready", wid, timeout_s), timeout_s + ANSWER_TIMEOUT_S
+        )
+        return ready
+
+    async def live(self) -> Live:
+        qid = next(self._ids)
+        live: Live = await self._ask(qid, ("live", qid), ANSWER_TIMEOUT_S)
+        return live
+
+    async def _ask(self, key: int, message: Message, timeout_s: float | None) -> Any:
+        """The answer to ``message``, within ``timeout_s`` (None: the caller bounds the wait)."""
+        if self._gone:
+            raise _gone()
+        answer = asyncio.get_running_loop().create_future()
+        self._answers[key] = answer
+        self.pipe.post(message)
+        try:
+            return await asyncio.wait_for(answer, timeout_s)
+        except asyncio.TimeoutError:
+            raise EngineClosed(
+                f"the trainer's process did not answer within {timeout_s:g} s (it may be stuck)"
+            ) from None
+        finally:
+            self._answers.pop(key, None)
+
+    def _handle(self, messages: list[Message] | None) -> None:
+        if messages is None:
+            self._gone = True
+            for answer in self._answers.values():
+                if not answer.done():
+                    answer.set_exception(_gone())
+            for rollout in self._rollouts.values():
+                rollout._end(_gone())
+            self._rollouts.clear()
+            self.on_stop()
+            return
+        for message in messages:
+            kind, key = message[0], message[1] if len(message) > 1 else -1
+            reader = self._rollouts.get(key)
+            if kind == "events":
+                if reader is not None:
+                    reader._add(message[2])
+            elif kind in ("done", "failed"):
+                if reader is not None:
+                    del self._rollouts[key]
+                    reader._end(message[2] if kind == "failed" else None)
+            elif kind == "refused":
+                self._answer(key, error=message[2])
+            elif kind == "submitted":
+                self._answer(key, None)
+            elif kind in ("ready", "live"):
+                self._answer(key, message[2])
+            elif kind == "stop":
+                self.on_stop()
+
+    def _answer(self, key: Any, value: Any = None, error: BaseException | None = None) -> None:
+        answer = self._answers.get(key)
+        if answer is None or answer.done():
+            return
+        if error is not None:
+            answer.set_exception(error)
+        else:
+            answer.set_result(value)
+
+
+def _gone() -> EngineClosed:
+    return EngineClosed("the trainer's process is gone (or stopped serving)")

@@ -1,0 +1,104 @@
+"""``rollgen serve``'s HTTP side in a process of its own (the default): it is apart from the
+trainer's, it ends with the trainer's, and when it dies the trainer's process keeps nothing of its
+requests running and serves again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+
+import rollgen
+from rollgen.serving import Server
+from rollgen.testing import tiny_config
+
+KEY = "process-key-" + "0" * 20
+#: The longest a process may take to end once it has no reason to live (a bound, not a measure).
+SAFETY_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def gen() -> Iterator[Any]:
+    with rollgen.create_generation(tiny_config("hf", max_new_tokens=8)) as g:
+        yield g
+
+
+def wait_until(done: Any, what: str) -> None:
+    deadline = time.monotonic() + SAFETY_S
+    while not done():
+        assert time.monotonic() < deadline, f"not within {SAFETY_S:g} s: {what}"
+        time.sleep(0.05)
+
+
+def test_the_http_side_runs_in_a_process_of_its_own(gen: Any) -> None:
+    with rollgen.serve(gen, api_key=KEY) as server:
+        pid = server.front_pid
+        assert pid is not None and pid != os.getpid()
+        assert psutil.Process(pid).ppid() == os.getpid()
+        client = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0)
+        done = client.completions.create(model=server.model_id, prompt="count: 1 2", max_tokens=3)
+        assert len(done.choices[0].model_extra["rollgen"]["token_ids"]) > 0
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_dead_server_process_leaves_nothing_running_in_the_trainer(gen: Any) -> None:
+    """The HTTP side killed while a streamed request runs (or just after it ended, if the model
+    stopped first): the trainer's process keeps nothing running for it, ``stop`` returns, and a
+    new server on the same generation serves."""
+    server = Server(gen, api_key=KEY).start()
+    pid = server.front_pid
+    assert pid is not None
+    try:
+        body = {"model": server.model_id, "prompt": "count: 1", "max_tokens": 1000, "stream": True}
+        auth = {"Authorization": f"Bearer {KEY}"}
+        with httpx.stream("POST", f"{server.url}/completions", json=body, headers=auth) as answer:
+            lines = answer.iter_lines()
+            first = next(lines)
+            assert first.startswith("data: "), first
+            os.kill(pid, signal.SIGKILL)
+            try:
+                for _ in lines:  # what came before the kill, then the cut (if it still ran)
+                    pass
+            except httpx.HTTPError:
+                pass
+        wait_until(lambda: not gen.samples_in_flight(), "the dead server's samples end in the trainer")
+    finally:
+        server.stop()
+    with rollgen.serve(gen, api_key=KEY) as again:
+        client = openai.OpenAI(base_url=again.url, api_key=KEY, max_retries=0)
+        assert client.completions.create(model=again.model_id, prompt="count: 1", max_tokens=2).choices
+
+
+def test_the_server_process_ends_with_the_trainers() -> None:
+    """A trainer killed outright (no ``stop``): its server's process sees the pipe close and ends."""
+    trainer = textwrap.dedent(
+        f"""
+        import threading, rollgen
+        from rollgen.serving import Server
+        from rollgen.testing import tiny_config
+        gen = rollgen.create_generation(tiny_config("hf", max_new_tokens=4))
+        server = Server(gen, api_key={KEY!r}).start()
+        print(server.front_pid, flush=True)
+        threading.Event().wait()
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", trainer], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        front = psutil.Process(int(proc.stdout.readline()))
+        proc.kill()
+        proc.wait(SAFETY_S)
+        front.wait(SAFETY_S)  # psutil.TimeoutExpired if it outlives the trainer
+    finally:
+        if proc.poll() is None:
+            proc.kill()
