@@ -57,6 +57,7 @@ COLUMNS = [
     "median_ttft_s",
     "client_cpu_ms",
     "server_cpu_ms",
+    "front_cpu_ms",
     "other_cpu_ms",
 ]
 
@@ -272,21 +273,30 @@ def process_cpu_s(pid: int) -> float:
 
 
 def measured(
-    name: str, level: int, run: Callable[[], list[dict[str, Any]]], server_pid: int, clients_apart: bool
+    name: str,
+    level: int,
+    run: Callable[[], list[dict[str, Any]]],
+    server_pid: int,
+    clients_apart: bool,
+    front_pid: int | None = None,
 ) -> dict[str, Any]:
     """One contestant's row at ``level`` in flight: ``run()`` → the load's parts; CPU per request
     of the load's processes (``clients_apart``: its parts' own; else none apart from the
-    server's), of the server's process and of everything else on the machine."""
-    busy, server = busy_cpu_s(), process_cpu_s(server_pid)
+    server's), of the server's process (the trainer's: its driver, and its HTTP side unless that
+    runs apart), of the HTTP side's own process (``front_pid``) and of everything else."""
+    front_cpu = (lambda: process_cpu_s(front_pid)) if front_pid is not None else (lambda: 0.0)
+    busy, server, front = busy_cpu_s(), process_cpu_s(server_pid), front_cpu()
     parts = run()
     busy, server = busy_cpu_s() - busy, process_cpu_s(server_pid) - server
+    front = front_cpu() - front
     row = {"contestant": name, "in_flight": level, **summarize(parts)}
     client = sum(p["cpu_s"] for p in parts) if clients_apart else 0.0
     per_request = 1000 / row["requests"]
     row.update(
         client_cpu_ms=client * per_request if clients_apart else None,
         server_cpu_ms=server * per_request,
-        other_cpu_ms=max(0.0, busy - client - server) * per_request,
+        front_cpu_ms=front * per_request if front_pid is not None else None,
+        other_cpu_ms=max(0.0, busy - client - server - front) * per_request,
     )
     return row
 
@@ -340,25 +350,46 @@ def measure_rollgen(
     vocab: int,
     rows: list[Any],
     plain: bool = False,
+    label: str = "",
+    submit: bool = True,
 ) -> list[dict[str, Any]]:
-    """rollgen's contestants at each level of ``args.in_flight``: its server (``plain``: also
-    with answers not streamed), then in-process ``submit``, each row added to ``rows`` and
-    printed as it is measured."""
+    """rollgen's contestants at each level of ``args.in_flight``: its server (named ``"rollgen
+    serve" + label``; ``plain``: also with answers not streamed), then (``submit``) in-process
+    ``submit``, each row added to ``rows`` and printed as it is measured."""
     body = completion_body(server.model_id, args.max_tokens, args.temperature, args.stream)
+    name = "rollgen serve" + label
     for level in args.in_flight:
         load = prompts(requests_for(level, args.requests, args.waves), vocab, args.prompt_len)
-        contestants = {
-            "rollgen serve": http_contestant(clients, server.url, server.api_key, body, load, level),
-            "in-process submit": submit_contestant(gen, args.max_tokens, args.temperature, load, level),
-        }
+        contestants = {name: http_contestant(clients, server.url, server.api_key, body, load, level)}
+        if submit:
+            contestants["in-process submit"] = submit_contestant(
+                gen, args.max_tokens, args.temperature, load, level
+            )
         if plain and args.stream:
             whole = completion_body(server.model_id, args.max_tokens, args.temperature, False)
-            contestants["rollgen serve" + NOT_STREAMED] = http_contestant(
+            contestants[name + NOT_STREAMED] = http_contestant(
                 clients, server.url, server.api_key, whole, load, level
             )
         for name, run in contestants.items():
-            apart = name.startswith("rollgen serve") and len(clients) > 0
-            record(rows, name, level, partial(measured, name, level, run, psutil.Process().pid, apart))
+            http = name.startswith("rollgen serve")
+            apart, front = http and len(clients) > 0, server.front_pid if http else None
+            record(rows, name, level, partial(measured, name, level, run, psutil.Process().pid, apart, front))
+    return rows
+
+
+#: Where each ``--front`` runs the HTTP side, in that order (the later ones labelled).
+FRONTS = {"process": ["process"], "thread": ["thread"], "both": ["process", "thread"]}
+
+
+def measure_fronts(
+    gen: Any, clients: LoadClients, args: argparse.Namespace, vocab: int, rows: list[Any], plain: bool
+) -> list[dict[str, Any]]:
+    """``measure_rollgen`` with a server of each ``--front`` in turn (in-process ``submit``
+    with the first; the others' contestants named ``rollgen serve (thread front)``)."""
+    for i, front in enumerate(FRONTS[args.front]):
+        with rollgen.serve(gen, limits=serve_limits(args), front=front) as server:
+            label = f" ({front} front)" if i else ""
+            measure_rollgen(gen, server, clients, args, vocab, rows, plain, label, submit=i == 0)
     return rows
 
 
@@ -380,6 +411,12 @@ def add_load_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None
     )
     parser.add_argument(
         "--clients", type=int, default=defaults.get("clients", 0), help="load processes (0: this one)"
+    )
+    parser.add_argument(
+        "--front",
+        choices=list(FRONTS),
+        default="process",
+        help="where rollgen serve's HTTP side runs (both: in a process, then in a thread, each loaded)",
     )
     parser.add_argument("--out", default="out/benchmarks")
 
@@ -403,8 +440,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     config = tiny_config(args.backend, max_new_tokens=args.max_tokens, **json.loads(args.config or "{}"))
     clients = LoadClients(args.clients)
     try:
-        with rollgen.create_generation(config) as gen, rollgen.serve(gen, limits=serve_limits(args)) as srv:
-            rows = measure_rollgen(gen, srv, clients, args, gen.model_info.vocab_size, [])
+        with rollgen.create_generation(config) as gen:
+            rows = measure_fronts(gen, clients, args, gen.model_info.vocab_size, [], False)
     finally:
         clients.close()
     print_table(measured_rows(rows), COLUMNS)

@@ -2,9 +2,10 @@
 prompts, the same sampling) driven by ``benchmarks.serve``'s aiohttp load generator (in
 ``--clients`` processes of its own) at each level of ``--in-flight``, through
 
-- **rollgen serve**: ``rollgen.serve`` over a rollgen vLLM generation, in this process, its
-  answers streamed token by token (``--stream``, the default) and, with ``--plain`` (the
-  default), also not streamed;
+- **rollgen serve**: ``rollgen.serve`` over a rollgen vLLM generation of this process (its HTTP
+  side in a process of its own, or with ``--front thread`` in this one), its answers streamed
+  token by token (``--stream``, the default) and, with ``--plain`` (the default), also not
+  streamed;
 - **in-process submit**: the same generation's ``submit``, one rollout per request;
 - **raw vllm serve**: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``,
   which vLLM 0.26 and 0.32 both have) started as a subprocess with the engine arguments
@@ -17,8 +18,9 @@ Per contestant: tokens/s, tokens per request (no ``ignore_eos``, which rollgen l
 model rarely stops early; ``fewest_tokens`` in the JSON says if one did), median and p99 answer
 time, median time to first token (streamed: the first chunk's arrival; each server's first chunk
 carries the first token), and CPU ms per request of the load generator, the server's process
-(rollgen: this process, server and rollgen's driver; raw: the API server process) and the rest
-of the machine (engine processes, Ray). Then the ratios rollgen / raw, streamed and not, and
+(rollgen: this process, rollgen's driver, and the HTTP side with ``--front thread``; raw: the
+API server process), rollgen's HTTP side's own process (``front_cpu_ms``) and the rest of the
+machine (engine processes, Ray). Then the ratios rollgen / raw, streamed and not, and
 rollgen serve / in-process submit. Results: ``serve_gpu_rows.json``, ``serve_gpu_ratios.json``,
 ``serve_gpu_settings.json`` (the raw server's command line) and ``vllm_serve.log`` in ``--out``;
 rows are saved as measured.
@@ -338,10 +340,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
 
             vocab = gen.model_info.vocab_size
             kwargs = engine_kwargs(gen.worker_specs[0], None)
-            with rollgen.serve(gen, limits=serve.serve_limits(args)) as server:
-                model_id = server.model_id
-                serve.measure_rollgen(gen, server, clients, args, vocab, results["rows"], args.plain)
-                save_all("serve_gpu", results, args.out)
+            model_id = Path(gen.cfg["model_name"]).name  # the name rollgen's server serves it by
+            serve.measure_fronts(gen, clients, args, vocab, results["rows"], args.plain)
+            save_all("serve_gpu", results, args.out)
         wait_gpu_released(args.util)
         with RawServer(raw_server_args(kwargs), model_id, Path(args.out) / "vllm_serve.log") as raw:
             command = " ".join(raw.command).replace(raw.key, "KEY")
