@@ -102,3 +102,32 @@ def test_the_server_process_ends_with_the_trainers() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_bridge_keeps_nothing_of_an_ended_request(gen: Any) -> None:
+    """The trainer's end of the pipe, driven as the server's process drives it: a submitted
+    request's events, then its end; a cancel that crosses the end (the client left as the answer
+    ended) is dropped, not kept for a request that will never come."""
+    from multiprocessing import Pipe
+
+    from rollgen.serving.bridge import Bridge
+    from rollgen.serving.port import Samples
+
+    ours, theirs = Pipe()
+    bridge = Bridge(gen, theirs)
+    bridge.start(("hello",))
+    try:
+        assert ours.poll(SAFETY_S) and ours.recv() == [("hello",)]
+        tokens = tuple(gen.tokenizer("count: 1 2")["input_ids"])
+        ours.send([("submit", 1, Samples(tokens, 1, max_new_tokens=3), None, False)])
+        kinds = []
+        while "done" not in kinds:
+            assert ours.poll(SAFETY_S), f"no answer after {kinds}"
+            kinds += [message[0] for message in ours.recv()]
+        assert kinds[0] == "submitted" and "events" in kinds
+        ours.send([("cancel", 1), ("live", 2)])  # the live question: the cancel has been read
+        assert ours.poll(SAFETY_S) and ours.recv()[0][:2] == ("live", 2)
+        assert bridge._cancelled == set() and bridge._submitting == set() and bridge._rollouts == {}
+    finally:
+        ours.close()
+        bridge.close()

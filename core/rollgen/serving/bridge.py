@@ -115,6 +115,7 @@ class Bridge:
         self.stopped: str | None = None
         self._loop = asyncio.new_event_loop()
         self._rollouts: dict[int, LocalRollout] = {}
+        self._submitting: set[int] = set()
         self._cancelled: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._thread = threading.Thread(
@@ -181,10 +182,11 @@ class Bridge:
         rollout = self._rollouts.get(rid)
         if rollout is not None:
             rollout.cancel()
-        else:  # not submitted yet: cancelled once it is
+        elif rid in self._submitting:  # cancelled once it is submitted (an ended one: nothing to do)
             self._cancelled.add(rid)
 
     async def _submit(self, rid: int, samples: Samples, replica: int | None, stream_tokens: bool) -> None:
+        self._submitting.add(rid)
         try:
             rollout = await self.port.submit(samples, replica, stream_tokens)
         except RollgenError as exc:
@@ -194,6 +196,8 @@ class Bridge:
             logger.exception("submit of a served request failed")
             self._refused(rid, RollgenError(f"submit failed: {type(exc).__name__}: {exc}"))
             return
+        finally:
+            self._submitting.discard(rid)
         self._rollouts[rid] = rollout
         if rid in self._cancelled:
             self._cancelled.discard(rid)
