@@ -370,10 +370,10 @@ def measure_rollgen(
             contestants[name + NOT_STREAMED] = http_contestant(
                 clients, server.url, server.api_key, whole, load, level
             )
-        for name, run in contestants.items():
-            http = name.startswith("rollgen serve")
+        for who, run in contestants.items():
+            http = who.startswith("rollgen serve")
             apart, front = http and len(clients) > 0, server.front_pid if http else None
-            record(rows, name, level, partial(measured, name, level, run, psutil.Process().pid, apart, front))
+            record(rows, who, level, partial(measured, who, level, run, psutil.Process().pid, apart, front))
     return rows
 
 

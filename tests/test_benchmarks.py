@@ -334,9 +334,14 @@ def test_the_serve_benchmark_runs_both_contestants(tmp_path) -> None:  # type: i
     are counted apart."""
     from benchmarks import serve
 
-    argv = ["--requests", "4", "--in-flight", "2", "--max-tokens", "3", "--stream", "--clients", "1"]
+    argv = ["--requests", "4", "--in-flight", "1,2", "--max-tokens", "3", "--stream", "--clients", "1"]
     rows = serve.main([*argv, "--front", "both", "--out", str(tmp_path)])
-    by_name = {r["contestant"]: r for r in rows}
+    assert sorted((r["contestant"], r["in_flight"]) for r in rows) == sorted(
+        (name, level)
+        for name in ("in-process submit", "rollgen serve", "rollgen serve (thread front)")
+        for level in (1, 2)
+    )
+    by_name = {r["contestant"]: r for r in rows if r["in_flight"] == 2}
     served, threaded = by_name["rollgen serve"], by_name["rollgen serve (thread front)"]
     assert set(by_name) == {"in-process submit", "rollgen serve", "rollgen serve (thread front)"}
     assert served["tokens"] == threaded["tokens"] == by_name["in-process submit"]["tokens"] > 0
