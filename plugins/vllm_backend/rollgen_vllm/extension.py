@@ -15,6 +15,8 @@ import importlib
 import logging
 import pickle
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -206,12 +208,15 @@ class RollgenWorkerExtension:
             return "loaded"
         model = self.model_runner.model
         way: LoadWay = "loaded"
-        if not replay:
-            model.load_weights(weights=named)
-        else:
-            if not hasattr(self, "rollgen_load_plans"):
-                self.rollgen_load_plans = LoadPlans(bound_parameters(model))
-            way = self.rollgen_load_plans.load(named, lambda w: model.load_weights(weights=w), kept)
+        if not hasattr(self, "rollgen_lora_layers"):  # the modules are fixed once the engine is up
+            self.rollgen_lora_layers = lora_layers(model)
+        with lora_unwrapped(self.rollgen_lora_layers):
+            if not replay:
+                model.load_weights(weights=named)
+            else:
+                if not hasattr(self, "rollgen_load_plans"):
+                    self.rollgen_load_plans = LoadPlans(bound_parameters(model))
+                way = self.rollgen_load_plans.load(named, lambda w: model.load_weights(weights=w), kept)
         torch.cuda.synchronize()  # the sender frees the bucket once this returns
         return way
 
@@ -239,3 +244,32 @@ def lora_name_mapper(model: Any) -> Any:
         if hasattr(mapper, method):
             return getattr(mapper, method)()
     return mapper
+
+
+#: A LoRA layer of vLLM's: the module holding it, its name there, the layer.
+LoraLayer = tuple[torch.nn.Module, str, torch.nn.Module]
+
+
+def lora_layers(model: torch.nn.Module) -> list[LoraLayer]:
+    """vLLM's LoRA layers in ``model`` (each holds the layer it wraps as ``base_layer``)."""
+    return [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(getattr(child, "base_layer", None), torch.nn.Module)
+    ]
+
+
+@contextmanager
+def lora_unwrapped(layers: list[LoraLayer]) -> Iterator[None]:
+    """Each LoRA layer of ``layers`` replaced by the layer it wraps, then put back. Its
+    parameters sit one level below where a model's ``load_weights`` looks for them, so loading
+    weights into an engine started with LoRA fails without this (vLLM #39934); they are the
+    same tensors either way."""
+    for parent, name, child in layers:
+        setattr(parent, name, child.base_layer)
+    try:
+        yield
+    finally:
+        for parent, name, child in layers:
+            setattr(parent, name, child)
