@@ -45,6 +45,7 @@ def test_the_http_side_runs_in_a_process_of_its_own(gen: Any) -> None:
         pid = server.front_pid
         assert pid is not None and pid != os.getpid()
         assert psutil.Process(pid).ppid() == os.getpid()
+        assert os.getsid(pid) != os.getsid(0)  # a Ctrl-C at the trainer's terminal does not reach it
         client = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0)
         done = client.completions.create(model=server.model_id, prompt="count: 1 2", max_tokens=3)
         assert len(done.choices[0].model_extra["rollgen"]["token_ids"]) > 0
@@ -127,7 +128,40 @@ def test_the_bridge_keeps_nothing_of_an_ended_request(gen: Any) -> None:
         assert kinds[0] == "submitted" and "events" in kinds
         ours.send([("cancel", 1), ("live", 2)])  # the live question: the cancel has been read
         assert ours.poll(SAFETY_S) and ours.recv()[0][:2] == ("live", 2)
+        # a submit cancelled in the same write (its asker left at once) is never submitted
+        ours.send([("submit", 3, Samples(tokens, 1), None, False), ("cancel", 3)])
+        assert ours.poll(SAFETY_S) and [m[:2] for m in ours.recv()] == [("refused", 3)]
+        assert not gen.samples_in_flight()
         assert bridge._cancelled == set() and bridge._submitting == set() and bridge._rollouts == {}
+    finally:
+        ours.close()
+        bridge.close()
+
+
+def test_the_trainer_unpickles_nothing_but_data_from_the_server(gen: Any, tmp_path: Any) -> None:
+    """The server's process faces the network: a message from it that would build anything but
+    plain data and ``Samples`` is refused, nothing of it runs, and the bridge takes the server
+    for gone."""
+    import pathlib
+    import pickle
+    from multiprocessing import Pipe
+
+    from rollgen.serving.bridge import Bridge
+
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> Any:
+            return (pathlib.Path.touch, (ran,))
+
+    ours, theirs = Pipe()
+    bridge = Bridge(gen, theirs)
+    bridge.start(("hello",))
+    try:
+        assert ours.poll(SAFETY_S) and ours.recv() == [("hello",)]
+        ours.send_bytes(pickle.dumps([("live", Payload())]))
+        wait_until(lambda: bridge.stopped is not None, "the bridge takes the server for gone")
+        assert not ran.exists()
     finally:
         ours.close()
         bridge.close()

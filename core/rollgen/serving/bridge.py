@@ -1,7 +1,8 @@
 """Both ends of the pipe between the server's process and the trainer's: ``Bridge``, in the
 trainer's process, serves the ``Port`` calls of ``RemotePort``, in the server's, on the
 generation. The pipe is made by the trainer's process and handed to the server's process it
-starts (no one else holds it), so what comes through it is trusted as that process's own.
+starts. The server's process trusts what the trainer's sends; the trainer's process, whose
+peer faces the network, unpickles only plain data and ``Samples`` from it (``TrainerUnpickler``).
 
 Messages are tuples, sent in lists of those ready at once (one write per event-loop turn). The
 server's process asks ``("submit", id, Samples, replica, stream_tokens)``, ``("cancel", id)``,
@@ -14,8 +15,10 @@ sends ``("setup", sys.path, pickled FrontSpec)`` first and ``("stop",)`` to end 
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import logging
+import pickle
 import queue
 import threading
 from collections import deque
@@ -31,7 +34,33 @@ logger = logging.getLogger(__name__)
 
 #: How long a question about the generation's state (``live``) waits for the trainer's process.
 ANSWER_TIMEOUT_S = 30.0
+#: How long closing waits for a thread of the pipe's to end.
+CLOSE_TIMEOUT_S = 10.0
 Message = tuple[Any, ...]
+#: What pickling a message may raise (an error of the caller's that cannot be pickled, ...).
+UNPICKLABLE = (pickle.PicklingError, TypeError, AttributeError)
+
+
+class TrainerUnpickler(pickle.Unpickler):
+    """Reads the server's messages in the trainer's process: plain data and ``Samples`` only,
+    so a server process taken over through its network side cannot run code in the trainer's."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("rollgen.serving.port", "Samples"):
+            return Samples
+        raise pickle.UnpicklingError(f"the server's process sent a {module}.{name}: refused")
+
+
+def trainer_loads(data: bytes) -> Any:
+    return TrainerUnpickler(io.BytesIO(data)).load()
+
+
+def unsendable(message: Message, error: BaseException) -> Message:
+    """What is sent instead of ``message`` when it cannot be pickled: its request fails."""
+    failure = RollgenError(
+        f"a {message[0]!r} message could not be sent between the server's processes: {error}"
+    )
+    return ("failed" if message[0] in ("events", "done", "failed") else "refused", message[1], failure)
 
 
 class PipeEnd:
@@ -39,8 +68,8 @@ class PipeEnd:
     of the same loop turn by a writer thread; a reader thread hands each list received to
     ``handle`` in the loop, and ``None`` once the other end is gone."""
 
-    def __init__(self, conn: Connection, name: str) -> None:
-        self.conn, self.name = conn, name
+    def __init__(self, conn: Connection, name: str, loads: Callable[[bytes], Any] = pickle.loads) -> None:
+        self.conn, self.name, self.loads = conn, name, loads
         self._pending: list[Message] = []
         self._out: queue.SimpleQueue[list[Message] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -52,8 +81,11 @@ class PipeEnd:
         def read() -> None:
             while True:
                 try:
-                    messages = self.conn.recv()
+                    messages = self.loads(self.conn.recv_bytes())
                 except (EOFError, OSError):
+                    messages = None
+                except Exception:  # noqa: BLE001 - a message that cannot be read ends the pipe
+                    logger.exception("%s: a message from the other end could not be read; closing", self.name)
                     messages = None
                 try:
                     loop.call_soon_threadsafe(handle, messages)
@@ -65,7 +97,7 @@ class PipeEnd:
         def write() -> None:
             while (messages := self._out.get()) is not None:
                 try:
-                    self.conn.send(messages)
+                    self._send(messages)
                 except (OSError, ValueError):  # the other end is gone: its reader says so
                     return
 
@@ -73,6 +105,17 @@ class PipeEnd:
             thread = threading.Thread(target=target, name=f"{self.name}-{role}", daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    def _send(self, messages: list[Message]) -> None:
+        try:
+            self.conn.send(messages)
+        except UNPICKLABLE:  # nothing was written: send them one by one, each that fails as a failure
+            for message in messages:
+                try:
+                    self.conn.send([message])
+                except UNPICKLABLE as exc:
+                    logger.error("%s: a %r message cannot be pickled: %s", self.name, message[0], exc)
+                    self.conn.send([unsendable(message, exc)])
 
     def post(self, message: Message) -> None:
         if not self._pending and self._loop is not None:
@@ -95,11 +138,13 @@ class PipeEnd:
             else:
                 try:
                     self.conn.send([last])
-                except (OSError, ValueError):
+                except (OSError, ValueError, *UNPICKLABLE):
                     logger.debug("%s: the other end is gone", self.name)
         self._out.put(None)
         for thread in writer:
-            thread.join()
+            thread.join(CLOSE_TIMEOUT_S)
+            if thread.is_alive():
+                logger.warning("%s: the pipe's writer did not end within %g s", self.name, CLOSE_TIMEOUT_S)
         self.conn.close()
 
 
@@ -109,7 +154,7 @@ class Bridge:
 
     def __init__(self, gen: GenerationInterface, conn: Connection) -> None:
         self.port = LocalPort(gen)
-        self.pipe = PipeEnd(conn, "rollgen-serve-bridge")
+        self.pipe = PipeEnd(conn, "rollgen-serve-bridge", trainer_loads)
         self.serving = threading.Event()
         #: Why the server's process stopped, once it has (None while it runs).
         self.stopped: str | None = None
@@ -118,6 +163,8 @@ class Bridge:
         self._submitting: set[int] = set()
         self._cancelled: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        #: The server's process is gone (or the bridge closes): a rollout submitted now is cancelled.
+        self._gone = False
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="rollgen-serve-bridge", daemon=True
         )
@@ -136,6 +183,7 @@ class Bridge:
         """Cancel what still runs, close the pipe and the loop (once the server's process ended)."""
 
         async def end() -> None:
+            self._gone = True
             for rollout in self._rollouts.values():
                 rollout.cancel()
             for task in self._tasks:
@@ -145,7 +193,10 @@ class Bridge:
 
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(end(), self._loop)
-            self._thread.join()
+            self._thread.join(ANSWER_TIMEOUT_S)
+            if self._thread.is_alive():
+                logger.warning("the serving bridge's loop did not end within %g s", ANSWER_TIMEOUT_S)
+                return
         self.pipe.close()
         self._loop.close()
 
@@ -154,12 +205,14 @@ class Bridge:
         if messages is None:  # the server's process is gone: nobody reads its requests' answers
             self.stopped = self.stopped or "the server's process ended"
             self.serving.set()
+            self._gone = True
             for rollout in self._rollouts.values():
                 rollout.cancel()
             return
         for message in messages:
             kind = message[0]
             if kind == "submit":
+                self._submitting.add(message[1])  # a cancel in the same write finds it
                 self._spawn(self._submit(*message[1:]))
             elif kind == "cancel":
                 self._cancel(message[1])
@@ -186,7 +239,10 @@ class Bridge:
             self._cancelled.add(rid)
 
     async def _submit(self, rid: int, samples: Samples, replica: int | None, stream_tokens: bool) -> None:
-        self._submitting.add(rid)
+        if rid in self._cancelled or self._gone:  # its asker left before it was submitted
+            self._submitting.discard(rid)
+            self._refused(rid, EngineClosed("cancelled before it was submitted"))
+            return
         try:
             rollout = await self.port.submit(samples, replica, stream_tokens)
         except RollgenError as exc:
@@ -199,7 +255,7 @@ class Bridge:
         finally:
             self._submitting.discard(rid)
         self._rollouts[rid] = rollout
-        if rid in self._cancelled:
+        if rid in self._cancelled or self._gone:
             self._cancelled.discard(rid)
             rollout.cancel()
         self.pipe.post(("submitted", rid))

@@ -143,7 +143,12 @@ class LocalPort:
         submit = functools.partial(
             self.gen.submit, samples.batch(), replica=replica, stream_tokens=stream_tokens
         )
-        return LocalRollout(await asyncio.get_running_loop().run_in_executor(None, submit))
+        future = asyncio.get_running_loop().run_in_executor(None, submit)
+        try:
+            return LocalRollout(await asyncio.shield(future))
+        except asyncio.CancelledError:  # its asker left (or the server stops): no one reads it
+            future.add_done_callback(cancel_late)
+            raise
 
     async def wait_ready(self, timeout_s: float) -> tuple[bool, bool]:
         loop = asyncio.get_running_loop()
@@ -165,6 +170,12 @@ class LocalPort:
 
 def live_of(gen: GenerationInterface) -> Live:
     return Live(gen.weight_version, gen.usable, [asdict(r) for r in gen.replica_load()])
+
+
+def cancel_late(future: asyncio.Future[Rollout]) -> None:
+    """Cancel the rollout of a submit whose asker left before it returned."""
+    if not future.cancelled() and future.exception() is None:
+        future.result().cancel()
 
 
 def settle(future: asyncio.Future[bool], value: bool) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import pickle
 import secrets
 import socket
@@ -153,6 +154,7 @@ class Server:
         if not started:
             why = self._failure if self._bridge is None else self._bridge.stopped
             self.stop()
+            why = why or f"not serving within {START_TIMEOUT_S:g} s"
             raise RollgenError(f"the server did not start on {self.url}: {why}")
         logger.info("rollgen serving %s (%s) at %s", self.model_id, self.spec.facts.name, self.url)
         return self
@@ -175,18 +177,30 @@ class Server:
         return ready.wait(START_TIMEOUT_S) and self._failure is None and self._thread.is_alive()
 
     def _start_process(self, sock: socket.socket) -> bool:
+        try:
+            spec = pickle.dumps(self.spec)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            sock.close()
+            raise ConfigError(
+                f"the server's settings cannot be sent to its process ({exc}): give a tokenizer and "
+                "tool parser that pickle, or serve with front='thread'"
+            ) from None
         ours, theirs = Pipe()
+        # the caller's import path, so the server's process imports this rollgen (and its classes)
+        path = os.pathsep.join(p for p in sys.path if p)
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "rollgen.serving", str(theirs.fileno()), str(sock.fileno())],
                 pass_fds=(theirs.fileno(), sock.fileno()),
+                env={**os.environ, "PYTHONPATH": path},
+                # its own session: a Ctrl-C meant for the trainer does not stop it (the pipe's end does)
+                start_new_session=True,
             )
         finally:
             theirs.close()
             sock.close()
         self._bridge = Bridge(self.gen, ours)
-        # its import path first: the spec may hold classes of the caller's (a tool parser)
-        self._bridge.start(("setup", list(sys.path), pickle.dumps(self.spec)))
+        self._bridge.start(("setup", list(sys.path), spec))
         serving = self._bridge.serving.wait(START_TIMEOUT_S)
         return serving and self._bridge.stopped is None
 

@@ -266,10 +266,12 @@ def lora_unwrapped(layers: list[LoraLayer]) -> Iterator[None]:
     parameters sit one level below where a model's ``load_weights`` looks for them, so loading
     weights into an engine started with LoRA fails without this (vLLM #39934); they are the
     same tensors either way."""
-    for parent, name, child in layers:
-        setattr(parent, name, child.base_layer)
+    swapped: list[LoraLayer] = []
     try:
+        for parent, name, child in layers:
+            setattr(parent, name, child.base_layer)
+            swapped.append((parent, name, child))
         yield
     finally:
-        for parent, name, child in layers:
+        for parent, name, child in swapped:
             setattr(parent, name, child)
