@@ -183,9 +183,7 @@ class Bridge:
         """Cancel what still runs, close the pipe and the loop (once the server's process ended)."""
 
         async def end() -> None:
-            self._gone = True
-            for rollout in self._rollouts.values():
-                rollout.cancel()
+            self._let_go()
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -205,9 +203,7 @@ class Bridge:
         if messages is None:  # the server's process is gone: nobody reads its requests' answers
             self.stopped = self.stopped or "the server's process ended"
             self.serving.set()
-            self._gone = True
-            for rollout in self._rollouts.values():
-                rollout.cancel()
+            self._let_go()
             return
         for message in messages:
             kind = message[0]
@@ -225,6 +221,12 @@ class Bridge:
             elif kind == "stopped":
                 self.stopped = message[1]
                 self.serving.set()
+
+    def _let_go(self) -> None:
+        """No one reads the requests' answers any more: cancel their rollouts, and any submitted later."""
+        self._gone = True
+        for rollout in self._rollouts.values():
+            rollout.cancel()
 
     def _spawn(self, work: Any) -> None:
         task = self._loop.create_task(work)
@@ -344,12 +346,10 @@ class RemotePort:
         self._rollouts[rid] = rollout
         try:
             await self._ask(rid, ("submit", rid, samples, replica, stream_tokens), None)
-        except asyncio.CancelledError:
-            if self._rollouts.pop(rid, None) is not None and not self._gone:
-                self.pipe.post(("cancel", rid))  # its asker left: once submitted it is cancelled
-            raise
-        except BaseException:
+        except BaseException as exc:
             self._rollouts.pop(rid, None)
+            if isinstance(exc, asyncio.CancelledError) and not self._gone:
+                self.pipe.post(("cancel", rid))  # its asker left: once submitted it is cancelled
             raise
         return rollout
 

@@ -110,11 +110,11 @@ class ServedGeneration:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.submit_timeout_s
         while True:
-            started = asyncio.ensure_future(self.port.submit(samples, replica, stream_tokens))
+            # cancelled at the deadline (or when its client leaves): the port cancels its rollout
+            submit = self.port.submit(samples, replica, stream_tokens)
             try:
-                return await asyncio.wait_for(asyncio.shield(started), max(0.0, deadline - loop.time()))
+                return await asyncio.wait_for(submit, max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
-                started.add_done_callback(_cancel_late)
                 raise self._late("the generation was busy (the trainer's refit or wake)") from None
             except (EngineAsleep, StaleWeights) as exc:
                 if not await self._wait_ready(deadline):
@@ -174,8 +174,3 @@ def _answered(ready: asyncio.Future[tuple[bool, bool]], waited: asyncio.Future[t
         ready.set_result((False, False))
     else:
         ready.set_result(waited.result())
-
-
-def _cancel_late(started: asyncio.Future[ServedRollout]) -> None:
-    if not started.cancelled() and started.exception() is None:
-        started.result().cancel()

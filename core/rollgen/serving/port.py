@@ -99,7 +99,8 @@ class ServedRollout(Protocol):
 
 class Port(Protocol):
     """The generation as the server reaches it. ``submit`` raises what ``gen.submit`` does
-    (``EngineAsleep`` and ``StaleWeights`` while the trainer holds it)."""
+    (``EngineAsleep`` and ``StaleWeights`` while the trainer holds it); cancelled, it cancels
+    the rollout it makes, whenever that comes."""
 
     facts: Facts
 
