@@ -164,7 +164,11 @@ class RawServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = self.log.open("wb")
         logger.info("starting raw vLLM server: %s", " ".join(self.command).replace(self.key, "KEY"))
-        self.proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT)
+        # vLLM's own default for how its engine core starts, as ``vllm serve`` runs for its users:
+        # this process's "spawn" (set for rollgen's driver, which runs Ray) re-imports vLLM in the
+        # engine core, where the H100 image's numpy recursed (results/benchmarks/*-h100-f6d6ec5-*)
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_WORKER_MULTIPROC_METHOD"}
+        self.proc = subprocess.Popen(self.command, stdout=self._log_file, stderr=subprocess.STDOUT, env=env)
         try:
             self._wait_ready()
         except BaseException:
