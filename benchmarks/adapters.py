@@ -21,6 +21,7 @@ import torch
 import rollgen
 from benchmarks.common import machine, print_table, qwen25_1p5b_dir, timed, write_results
 from benchmarks.refit import random_state
+from benchmarks.vllm_ext import EXTENSION
 from rollgen.refit.adapters import AdapterSpec
 from rollgen.testing import tiny_config, tiny_model_dir
 from rollgen.testing.reference import random_adapter
@@ -32,6 +33,10 @@ COLUMNS = [
     "adapter_ms",
     "mb_per_ms",
     "raw_add_lora_ms",
+    "rank_load_adapter_ms",
+    "rank_add_lora_ms",
+    "rank_build_ms",
+    "rank_add_ms",
     "full_mb",
     "full_ms",
 ]
@@ -42,6 +47,7 @@ def config(backend: str, model: str, dtype: str, rank: int, dummy: bool) -> dict
     cfg["lora"] = {"rank": rank, "alpha": 2.0 * rank, "max_versions": 2}
     if backend == "vllm":
         cfg["vllm_cfg"] = {**cfg.get("vllm_cfg", {}), **({"load_format": "dummy"} if dummy else {})}
+        cfg["vllm_kwargs"] = {**cfg.get("vllm_kwargs", {}), "worker_extension_cls": EXTENSION}
     return cfg
 
 
@@ -97,7 +103,11 @@ def measure(args: argparse.Namespace, rank: int, model: str) -> dict[str, Any]:
             {k: v.to(device) for k, v in random_adapter(spec, seed=i).items()}
             for i in range(args.repeats + 1)
         ]
-        times = [timed(partial(gen.refit, a, target="adapter")) for a in adapters]
+        times, stages = [], []
+        for adapter in adapters:
+            times.append(timed(partial(gen.refit, adapter, target="adapter")))
+            if args.backend == "vllm":  # where the rank's share went (benchmarks.vllm_ext)
+                stages.append(gen.collective_rpc("bench_last_adapter")[0][0])
         weights = random_state(gen.weight_spec, device)
         gen.refit(weights)
         full = [timed(lambda: gen.refit(weights)) for _ in range(args.repeats)]
@@ -117,6 +127,10 @@ def measure(args: argparse.Namespace, rank: int, model: str) -> dict[str, Any]:
         "full_ms": 1e3 * statistics.median(full),
         "raw_add_lora_ms": None,
     }
+    if stages:  # medians over the refits after the first, ms
+        later = stages[1:] or stages
+        for key in later[0]:
+            row[f"rank_{key[:-2]}_ms"] = 1e3 * statistics.median(s[key] for s in later)
     if args.backend == "vllm" and args.raw:
         with tempfile.TemporaryDirectory() as tmp:
             folders = [Path(tmp) / str(i) for i in range(args.repeats + 1)]
