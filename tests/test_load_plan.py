@@ -313,3 +313,65 @@ def test_weights_load_into_an_engine_started_with_lora() -> None:
         model.load_weights(new)
     assert model.proj is wrapper
     assert torch.equal(wrapper.base_layer.weight, new[0][1]) and torch.equal(model.norm.weight, new[1][1])
+
+
+class _Quantized(_Model):
+    """A quantized engine's model as vLLM's reload leaves it: ``proj`` holds its weight and a
+    ``weight_scale`` computed from the incoming one (amax / 448, FP8 e4m3's largest value), here
+    in half precision, which a huge weight overflows; ``input_scale`` None (dynamic activations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj.register_parameter("weight_scale", torch.nn.Parameter(torch.ones(1), requires_grad=False))
+        self.proj.input_scale = None
+
+    def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(weights)
+        with torch.no_grad():
+            self.proj.weight_scale.copy_((self.proj.weight.abs().amax() / 448.0).half())
+
+
+class _QuantizedRank:
+    """The parts of a vLLM worker ``RollgenWorkerExtension`` reads: its model, its model config
+    (the quantization vLLM serves), ``reload_weights`` (vLLM's layerwise reload: the model's own
+    ``load_weights``, then the layers processed again)."""
+
+    def __init__(self, quantization: str | None) -> None:
+        from types import SimpleNamespace
+
+        self.model_runner = SimpleNamespace(model=_Quantized())
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(quantization=quantization))
+        self.reloads = 0
+
+    def reload_weights(self, weights_iterator: object, is_checkpoint_format: bool) -> None:
+        assert is_checkpoint_format
+        self.model_runner.model.load_weights(list(weights_iterator))  # type: ignore[call-overload]
+        self.reloads += 1
+
+
+def test_a_quantized_engine_reloads_and_refuses_non_finite_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On GPU, an engine whose vLLM model config names a quantization (``vllm_kwargs``'
+    ``"quantization"``) loads refits through vLLM's layerwise reload (never a load plan, replay
+    or not), with its LoRA layers unwrapped as for the loaders; a scale the quantization made
+    non-finite is a stale RefitError naming its module. An unquantized GPU engine loads as
+    before."""
+    from rollgen.errors import RefitError
+    from rollgen_vllm.extension import RollgenWorkerExtension
+
+    rank_cls = type("Rank", (_QuantizedRank, RollgenWorkerExtension), {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert not rank_cls(None).rollgen_reloads
+    rank = rank_cls("fp8_per_tensor")
+    assert rank.rollgen_reloads and rank.rollgen_quantization == "fp8_per_tensor"
+    model = rank.model_runner.model
+    model.proj = _Wrapped(model.proj)  # an engine started with LoRA: vLLM #39934 again
+    new = [("proj.weight", torch.full((2, 2), 4.48)), ("norm.weight", torch.full((2,), 2.0))]
+    assert rank.rollgen_load(new, replay=True, kept=True) == "loaded"
+    assert rank.reloads == 1 and not hasattr(rank, "rollgen_load_plans")
+    assert torch.allclose(model.proj.base_layer.weight_scale, torch.tensor([0.01]), rtol=1e-3)
+    assert isinstance(model.proj, _Wrapped)
+    huge = [("proj.weight", torch.full((2, 2), 1e8))]  # finite: the trainer's check lets it through
+    with pytest.raises(RefitError, match="non-finite scale") as bad:
+        rank.rollgen_load(huge, replay=True)
+    assert bad.value.problems == ["proj.base_layer.weight_scale"] and bad.value.stale

@@ -197,19 +197,15 @@ class RollgenWorkerExtension:
     ) -> LoadWay:
         """Copy ``named`` into the live parameters (each rank its shard); how it was loaded.
         ``kept``: the same list comes again with the next refit's values (its plan's sources
-        are kept)."""
-        if not torch.cuda.is_available():
-            # vLLM-CPU prepacks linear weights, which plain load_weights cannot write into; the
-            # layerwise reload re-runs the repacking (it walks the whole model on every call)
-            logs.quiet()
-            self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
-            for version, (tensors, setup) in self.rollgen_adapters.items():  # the reload dropped them
-                self.rollgen_add_lora(version, tensors, setup)
-            return "loaded"
+        are kept). A quantized engine, and any engine on CPU, reloads instead
+        (``rollgen_reload``), and ``replay`` does not apply."""
         model = self.model_runner.model
-        way: LoadWay = "loaded"
         if not hasattr(self, "rollgen_lora_layers"):  # the modules are fixed once the engine is up
             self.rollgen_lora_layers = lora_layers(model)
+        if self.rollgen_reloads:
+            self.rollgen_reload(named)
+            return "loaded"
+        way: LoadWay = "loaded"
         with lora_unwrapped(self.rollgen_lora_layers):
             if not replay:
                 model.load_weights(weights=named)
@@ -219,6 +215,74 @@ class RollgenWorkerExtension:
                 way = self.rollgen_load_plans.load(named, lambda w: model.load_weights(weights=w), kept)
         torch.cuda.synchronize()  # the sender frees the bucket once this returns
         return way
+
+    @property
+    def rollgen_quantization(self) -> str | None:
+        """The quantization this engine serves its weights in (vLLM's own model config, e.g.
+        ``"fp8_per_block"`` from ``vllm_kwargs``); None: the checkpoint's dtype."""
+        quantization = getattr(self.vllm_config.model_config, "quantization", None)
+        return None if quantization is None else str(quantization)
+
+    @property
+    def rollgen_reloads(self) -> bool:
+        """Whether refits go through vLLM's layerwise reload: on CPU (vLLM-CPU prepacks linear
+        weights, which plain ``load_weights`` cannot write into) and for a quantized engine (its
+        parameters are the quantized kernel tensors, not the checkpoint's)."""
+        return not torch.cuda.is_available() or self.rollgen_quantization is not None
+
+    def rollgen_reload(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Load ``named``, in the checkpoint's format and dtype, through vLLM's layerwise reload:
+        each layer all of whose tensors arrived is rebuilt from them and processed again
+        (repacked, quantized) into its kernel tensors in place (CUDA graphs stay valid); the
+        reload walks the whole model on every call. A quantized engine's scales are then
+        checked (``check_scales``). LoRAs the reload dropped (vLLM 0.32) are added again."""
+        logs.quiet()
+        with lora_unwrapped(self.rollgen_lora_layers):
+            self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+        if self.rollgen_quantization is not None:
+            if not hasattr(self, "rollgen_scaled"):
+                self.rollgen_scaled = scaled_modules(self.model_runner.model)
+            check_scales(self.rollgen_scaled)
+        for version, (tensors, setup) in self.rollgen_adapters.items():
+            self.rollgen_add_lora(version, tensors, setup)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the sender frees the bucket once this returns
+
+
+#: Where vLLM's quantized linear layers keep their scales: ``weight_scale`` (FP8 per tensor or
+#: channel), ``weight_scale_inv`` (FP8 per block), ``input_scale`` (static activation scales).
+SCALE_NAMES = ("weight_scale", "weight_scale_inv", "input_scale")
+
+
+def scaled_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules of ``model`` that hold quantization scales (``SCALE_NAMES``), by name."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if any(isinstance(getattr(module, s, None), torch.Tensor) for s in SCALE_NAMES)
+    ]
+
+
+def check_scales(modules: list[tuple[str, torch.nn.Module]]) -> None:
+    """``RefitError`` naming each module of ``modules`` whose quantization scales (as held now)
+    are not all finite; one host sync for all of them."""
+    scales = [
+        (f"{name}.{s}", t)
+        for name, module in modules
+        for s in SCALE_NAMES
+        if isinstance(t := getattr(module, s, None), torch.Tensor)
+    ]
+    if not scales:
+        return
+    finite = torch.stack([t.isfinite().all() for _, t in scales]).tolist()
+    bad = [name for (name, _), ok in zip(scales, finite) if not ok]
+    if bad:
+        raise RefitError(
+            f"the engine's quantization of the update gave {len(bad)} non-finite scale(s); the "
+            "engine holds the update in part",
+            bad,
+            stale=True,
+        )
 
 
 def check_extension(path: str) -> None:

@@ -172,7 +172,15 @@ class VllmWorker(EngineWorker):
     def _describe(self) -> dict[str, Any]:
         import vllm
 
-        return {"vllm": vllm.__version__, "flat_logprobs": self.flat_logprobs}
+        config = self.llm.llm_engine.vllm_config
+        return {
+            "vllm": vllm.__version__,
+            "flat_logprobs": self.flat_logprobs,
+            # weights quantized by the engine as it loads them (vllm_kwargs' "quantization"),
+            # refitted in the trainer's dtype through vLLM's layerwise reload (docs/vllm.md, FP8)
+            "quantization": config.model_config.quantization,
+            "kv_cache_dtype": config.cache_config.cache_dtype,
+        }
 
     def _generate(
         self, prompts: list[list[int]], params: Sequence[SampleParams]
