@@ -12,7 +12,7 @@ from rollgen.output import generated_mask
 from rollgen.refit import GPU_BUCKET_BYTES, default_bucket_bytes
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
 from rollgen.testing.prompts import PROMPTS, encode
-from rollgen.testing.reference import agreement
+from rollgen.testing.reference import agreement, perturbed_model
 from rollgen.testing.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
@@ -175,6 +175,52 @@ def test_the_graphed_check_finds_what_nonfinite_finds() -> None:
     named[1][1].zero_()
     named[4][1].zero_()
     assert check.nonfinite() == []
+
+
+#: FP8 engines against an fp32 reference of the bf16 weights they were fed: NeMo-RL's
+#: token_mult_prob_error (mean exp|Δlogp| over generated tokens) at most this. Loose on purpose:
+#: FP8 e4m3 keeps 3 mantissa bits (weights and activations rounded by up to 6 %), against the
+#: 1.05 that bf16 engines meet; wrong weights fail the test's other checks (tokens, and being
+#: closer to the new weights than to the old).
+FP8_TOKEN_MULT_PROB_ERROR = 1.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", ["fp8_per_tensor", "fp8_per_block"])
+def test_an_fp8_engine_refits_from_a_bf16_trainer(hf_config: dict, batch: dict, quantization: str) -> None:
+    """vLLM's online FP8 (``vllm_kwargs={"quantization": ...}``; vLLM 0.26 has the shorthands)
+    on the tiny model, whose weight dims (128, 256, 512) are multiples of the 128 x 128 blocks,
+    fed bf16 weights by a colocated trainer: each refit goes through vLLM's layerwise reload,
+    which quantizes again (load plans do not apply). Outputs follow the new weights (within
+    FP8's bound of an fp32 reference, and closer to them than to the old ones); a second refit
+    of the same tensors (read in place) changes nothing; a NaN state dict is refused with the
+    outputs kept; refitting the first weights back gives the first outputs again (quantization
+    is deterministic)."""
+    cfg = {**config(hf_config), "vllm_kwargs": {"quantization": quantization}}
+    with rollgen.create_generation(cfg) as gen:
+        assert gen.engines.info(0)["quantization"] is not None, gen.engines.info(0)
+        first = gen.generate(batch, greedy=True)
+        policy = perturbed_model(tiny_model_dir(), seed=1, scale=0.05).to(torch.bfloat16).cuda()
+        gen.refit(policy)
+        out = gen.generate(batch, greedy=True)
+        assert not torch.equal(out["output_ids"], first["output_ids"]), "the refit changed nothing"
+        new = agrees_with(copy.deepcopy(policy), out, batch)
+        old = agrees_with(load_reference_model(tiny_model_dir()), out, batch)
+        assert new["token_mult_prob_error"] < FP8_TOKEN_MULT_PROB_ERROR, new
+        assert new["mean_abs"] < old["mean_abs"] / 2, (new, old)
+        gen.refit(policy)  # the same tensors again: read in place, quantized to the same bytes
+        assert torch.equal(gen.generate(batch, greedy=True)["output_ids"], out["output_ids"])
+        state = {k: v.clone() for k, v in policy.state_dict().items()}
+        bad = next(k for k in state if k.endswith("mlp.down_proj.weight"))
+        state[bad][0, 0] = float("nan")
+        with pytest.raises(rollgen.RefitError, match="hold NaN or infinite values") as refused:
+            gen.refit(state)
+        assert refused.value.problems == [bad]
+        assert torch.equal(gen.generate(batch, greedy=True)["output_ids"], out["output_ids"])
+        gen.refit(load_reference_model(tiny_model_dir(), torch.bfloat16).cuda())
+        back = gen.generate(batch, greedy=True)
+    assert torch.equal(back["output_ids"], first["output_ids"])
+    assert torch.allclose(back["logprobs"], first["logprobs"], atol=1e-4)
 
 
 @pytest.mark.gpu2
