@@ -106,6 +106,28 @@ def qwen25_1p5b_dir(root: str = "/tmp/rollgen-bench/qwen2.5-1.5b-shape", tokeniz
     return str(path)
 
 
+#: Qwen2.5-7B's dimensions (weights dummy, as for the 1.5B shape); its context kept at the 1.5B
+#: shape's 2048 positions (the workloads use 256).
+QWEN25_7B: dict[str, Any] = {
+    **QWEN25_1P5B,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "tie_word_embeddings": False,
+}
+
+
+def qwen25_7b_dir(root: str = "/tmp/rollgen-bench/qwen2.5-7b-shape") -> str:
+    """A model folder with Qwen2.5-7B's config.json (no weights)."""
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(QWEN25_7B, indent=2))
+    return str(path)
+
+
 def word_level_tokenizer(vocab_size: int, eos_id: int) -> Any:
     """A fast tokenizer of ``vocab_size`` words (`` t0``, `` t1``, ...; ``eos_id`` is
     ``<|endoftext|>``), so that every id a model of that vocabulary samples decodes to text. The

