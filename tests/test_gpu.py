@@ -196,6 +196,11 @@ def test_an_fp8_engine_refits_from_a_bf16_trainer(hf_config: dict, batch: dict, 
     of the same tensors (read in place) changes nothing; a NaN state dict is refused with the
     outputs kept; refitting the first weights back gives the first outputs again (quantization
     is deterministic)."""
+    import vllm
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    if quantization not in QUANTIZATION_METHODS:  # online shorthands: vLLM 0.26 has them
+        pytest.skip(f"vLLM {vllm.__version__} has no online quantization {quantization!r}")
     cfg = {**config(hf_config), "vllm_kwargs": {"quantization": quantization}}
     with rollgen.create_generation(cfg) as gen:
         assert gen.engines.info(0)["quantization"] is not None, gen.engines.info(0)
