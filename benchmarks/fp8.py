@@ -50,7 +50,6 @@ import torch
 import rollgen
 from benchmarks import refit, throughput
 from benchmarks.common import (
-    gpu_used_gib,
     print_table,
     qwen25_1p5b_dir,
     qwen25_7b_dir,
@@ -144,7 +143,6 @@ def run_variant(
     variant = quantization + ("+kv_fp8" if kv_fp8 else "")
     gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if gpu else torch.float32
-    before = gpu_used_gib() if gpu else 0.0
     gen: Any = rollgen.create_generation(engine_config(model, args, quantization, kv_fp8))
     with gen:
         info = gen.engines.info(0)
@@ -152,7 +150,6 @@ def run_variant(
             "variant": variant,
             "quantization": info.get("quantization"),
             "kv_cache_dtype": info.get("kv_cache_dtype"),
-            "engine_gib": gpu_used_gib() - before if gpu else None,
         }
         trainer = seeded_trainer(model, dtype, engine_device(gen), args.seed)
         vocab = trainer.config.vocab_size
