@@ -14,7 +14,7 @@ import statistics
 import tempfile
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -107,7 +107,7 @@ def measure(args: argparse.Namespace, rank: int, model: str) -> dict[str, Any]:
         for adapter in adapters:
             times.append(timed(partial(gen.refit, adapter, target="adapter")))
             if args.backend == "vllm":  # where the rank's share went (benchmarks.vllm_ext)
-                stages.append(gen.collective_rpc("bench_last_adapter")[0][0])
+                stages.append(cast(Any, gen).collective_rpc("bench_last_adapter")[0][0])
         weights = random_state(gen.weight_spec, device)
         gen.refit(weights)
         full = [timed(lambda: gen.refit(weights)) for _ in range(args.repeats)]

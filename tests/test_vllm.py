@@ -137,6 +137,26 @@ def test_engine_arguments_come_from_the_worker_spec(vllm_config: dict) -> None:
     assert kwargs(True, enforce_eager=False, seed=3)["enforce_eager"] is False
 
 
+def test_adapters_in_float32_on_gpus_are_a_config_error(vllm_config: dict) -> None:
+    """vLLM's LoRA kernels on GPUs take half precision only (they assert it at the first LoRA
+    step, 2026-12-06 on an H100): refused before any engine; float32 on CPU and bfloat16 on GPUs
+    pass."""
+    from rollgen.config import validate_config
+    from rollgen.distributed.generation import plan_engines
+    from rollgen_vllm.config import VllmConfig
+    from rollgen_vllm.worker import check_lora_dtype
+
+    def check(use_gpus: bool, dtype: str) -> None:
+        cfg = validate_config({**vllm_config, "lora": {"rank": 4}}, VllmConfig)
+        plan = plan_engines(cfg, "vllm_cfg", use_gpus=use_gpus, engine_dtype=dtype, context_length=64)
+        check_lora_dtype(plan.spec)
+
+    with pytest.raises(ConfigError, match="set the config's dtype to bfloat16"):
+        check(True, "float32")
+    check(False, "float32")
+    check(True, "bfloat16")
+
+
 def test_a_worker_extension_that_is_not_rollgens_is_refused_before_any_engine(vllm_config: dict) -> None:
     cfg = {**vllm_config, "vllm_kwargs": {"worker_extension_cls": "collections.OrderedDict"}}
     with pytest.raises(ConfigError, match="must subclass rollgen_vllm.extension.RollgenWorkerExtension"):

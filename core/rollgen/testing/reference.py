@@ -168,8 +168,11 @@ def random_adapter(spec: AdapterSpec, seed: int, scale: float = 0.3) -> dict[str
     }
 
 
-def merged_reference(model_dir: str, adapter: Mapping[str, torch.Tensor], spec: AdapterSpec) -> Any:
-    """The fp32 reference model with ``adapter`` merged into its weights (``W + scaling·B·A``)."""
+def merged_reference(
+    model_dir: str, adapter: Mapping[str, torch.Tensor], spec: AdapterSpec, dtype: torch.dtype = torch.float32
+) -> Any:
+    """The reference model with ``adapter`` merged into its weights (``W + scaling·B·A``, in
+    fp32), in ``dtype``."""
     policy = load_reference_model(model_dir)
     policy.load_state_dict(merged(policy.state_dict(), list(adapter.items()), spec))
-    return policy
+    return policy.to(dtype)

