@@ -51,11 +51,13 @@ class BenchWorkerExtension(RollgenWorkerExtension):
         when (``time.time()``) the call entered and left the worker extension."""
         return dict(self.bench_load)
 
-    def rollgen_load_adapter(self, version: int, per_rank: list[bytes], setup: dict[str, Any]) -> None:
+    def rollgen_load_adapter(self, version: int, per_rank: list[bytes], setup: dict[str, Any]) -> Any:
+        self.bench_adapter: dict[str, float] = {}
         start = time.perf_counter()
-        super().rollgen_load_adapter(version, per_rank, setup)
+        answer = super().rollgen_load_adapter(version, per_rank, setup)  # an error comes back as is
         _synchronize()
         self.bench_adapter["load_adapter_s"] = time.perf_counter() - start
+        return answer
 
     def rollgen_add_lora(self, version: int, tensors: dict[str, torch.Tensor], setup: dict[str, Any]) -> None:
         """rollgen's, with vLLM's two steps in it timed: building the LoRA from tensors
@@ -85,7 +87,7 @@ class BenchWorkerExtension(RollgenWorkerExtension):
         finally:
             LoRAModel.from_lora_tensors = build  # type: ignore[method-assign]
             del adapters.add_adapter
-        self.bench_adapter = {"add_lora_s": time.perf_counter() - start, **times}
+        self.bench_adapter.update(add_lora_s=time.perf_counter() - start, **times)
 
     def bench_last_adapter(self) -> dict[str, Any]:
         """Where this rank's last adapter load went: the whole ``rollgen_load_adapter``

@@ -186,21 +186,7 @@ FP8_TOKEN_MULT_PROB_ERROR = 1.5
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "quantization",
-    [
-        "fp8_per_tensor",  # passed on an H100, 2026-12-06 (8076bae)
-        pytest.param(
-            "fp8_per_block",
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="on an H100 (2026-12-06, 8076bae) every check passed but the last: the first "
-                "weights gave the first tokens back, their logprobs not within 1e-4 (by how much was "
-                "not recorded then; the message says now); cause not found",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("quantization", ["fp8_per_tensor", "fp8_per_block"])
 def test_an_fp8_engine_refits_from_a_bf16_trainer(hf_config: dict, batch: dict, quantization: str) -> None:
     """vLLM's online FP8 (``vllm_kwargs={"quantization": ...}``; vLLM 0.26 has the shorthands)
     on the tiny model, whose weight dims (128, 256, 512) are multiples of the 128 x 128 blocks,
@@ -240,6 +226,11 @@ def test_an_fp8_engine_refits_from_a_bf16_trainer(hf_config: dict, batch: dict, 
         back = gen.generate(batch, greedy=True)
     assert torch.equal(back["output_ids"], first["output_ids"])
     restored = float((back["logprobs"] - first["logprobs"]).abs().max())
+    if quantization == "fp8_per_block" and restored > 1e-4:
+        pytest.xfail(  # every check above still holds; only this one is declared
+            f"the first weights again: logprobs up to {restored:.3g} from the first (fp8_per_block "
+            "missed 1e-4 on an H100, 2026-12-06, 8076bae; cause not found)"
+        )
     assert restored <= 1e-4, f"the first weights again: logprobs up to {restored:.3g} from the first"
 
 

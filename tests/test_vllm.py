@@ -138,9 +138,9 @@ def test_engine_arguments_come_from_the_worker_spec(vllm_config: dict) -> None:
 
 
 def test_adapters_in_float32_on_gpus_are_a_config_error(vllm_config: dict) -> None:
-    """vLLM's LoRA kernels on GPUs take half precision only (they assert it at the first LoRA
-    step, 2026-12-06 on an H100): refused before any engine; float32 on CPU and bfloat16 on GPUs
-    pass."""
+    """vLLM's LoRA kernels on GPUs take half precision only (they assert it in the engine's
+    start-up, 2026-12-06 on an H100): refused before any engine; float32 on CPU and bfloat16 on
+    GPUs pass."""
     from rollgen.config import validate_config
     from rollgen.distributed.generation import plan_engines
     from rollgen_vllm.config import VllmConfig

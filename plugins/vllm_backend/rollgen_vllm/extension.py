@@ -97,8 +97,8 @@ class RollgenWorkerExtension:
 
     @property
     def rollgen_adapters(self) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]:
-        """The adapter versions this rank holds: their tensors and PEFT setup (vLLM forgets its
-        LoRAs when it reloads the model's weights: they are added again)."""
+        """The adapter versions this rank holds: their tensors and PEFT setup (vLLM 0.32 forgets
+        its LoRAs when it reloads the model's weights: they are added again)."""
         held: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] | None = getattr(
             self, "_rollgen_adapters", None
         )
@@ -235,7 +235,8 @@ class RollgenWorkerExtension:
         each layer all of whose tensors arrived is rebuilt from them and processed again
         (repacked, quantized) into its kernel tensors in place (CUDA graphs stay valid); the
         reload walks the whole model on every call. A quantized engine's scales are then
-        checked (``check_scales``). LoRAs the reload dropped (vLLM 0.32) are added again."""
+        checked (``check_scales``). LoRAs the reload dropped (vLLM 0.32 drops them all; 0.26
+        keeps them) are added again."""
         logs.quiet()
         with lora_unwrapped(self.rollgen_lora_layers):
             self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
@@ -243,8 +244,11 @@ class RollgenWorkerExtension:
             if not hasattr(self, "rollgen_scaled"):
                 self.rollgen_scaled = scaled_modules(self.model_runner.model)
             check_scales(self.rollgen_scaled)
-        for version, (tensors, setup) in self.rollgen_adapters.items():
-            self.rollgen_add_lora(version, tensors, setup)
+        if self.rollgen_adapters:
+            kept = self.model_runner.lora_manager.list_adapters()
+            for version, (tensors, setup) in self.rollgen_adapters.items():
+                if version not in kept:
+                    self.rollgen_add_lora(version, tensors, setup)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the sender frees the bucket once this returns
 
@@ -279,7 +283,7 @@ def check_scales(modules: list[tuple[str, torch.nn.Module]]) -> None:
     if bad:
         raise RefitError(
             f"the engine's quantization of the update gave {len(bad)} non-finite scale(s); the "
-            "engine holds the update in part",
+            "engine holds the update in part: refit complete, finite weights (check_finite=True)",
             bad,
             stale=True,
         )

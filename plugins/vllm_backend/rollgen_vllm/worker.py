@@ -65,8 +65,8 @@ def engine_kwargs(spec: WorkerSpec, executor: str | None) -> dict[str, Any]:
 
 def check_lora_dtype(spec: WorkerSpec) -> None:
     """ConfigError for adapters in float32 on GPUs: vLLM's LoRA kernels there (Triton, in
-    ``vllm/lora/ops/triton_ops``) take float16 and bfloat16 only, and assert it at the first
-    step that runs a LoRA (vLLM-CPU's take float32)."""
+    ``vllm/lora/ops/triton_ops``) take float16 and bfloat16 only, and assert it in the engine's
+    start-up profile run (vLLM-CPU's take float32)."""
     if spec.lora is not None and spec.use_gpus and spec.dtype == "float32":
         raise ConfigError(
             "lora with dtype float32: vLLM's LoRA kernels on GPUs take float16 or bfloat16 only; "
