@@ -96,14 +96,19 @@ def test_an_engine_core_killed_in_its_own_process_leaves_no_shared_memory(fleet,
     replaced, and the shared memory its engine's processes made (vLLM's message queues and
     locks in ``/dev/shm``, which nothing else unlinks once they are killed) is gone once the
     replacement started; the replacement's own stays while it serves."""
-    from rollgen.processes import SHM_DIR, descendants, wait_for_exit
+    import psutil
+
+    from rollgen.processes import SHM_DIR, descendants, engine_processes, wait_for_exit
     from rollgen.testing.faults import kill_process
+    from rollgen_vllm.worker import VllmWorker
 
     served = fleet.generate(batch, greedy=True)["output_ids"]
     info, restarts = fleet.engines.info(1), fleet.replicas[1].restarts
     segments = info["shared_memory"]
     assert segments and all((SHM_DIR / name).exists() for name in segments), segments
-    engine_core = [p for p, cmd in descendants(info["pid"]).items() if cmd.startswith("VLLM::EngineCore")]
+    # the actor's child among the engine's processes (titled VLLM::EngineCore, or not titled)
+    children = {p.pid for p in psutil.Process(info["pid"]).children()}
+    engine_core = [p for p in engine_processes(info["pid"], VllmWorker.engine_processes) if p in children]
     assert len(engine_core) == 1, descendants(info["pid"])
     kill_process(engine_core[0])
     wait_for_exit([info["pid"]])  # the actor's watcher ends it (EngineWorker._watch)

@@ -31,6 +31,20 @@ def descendants(pid: int) -> dict[int, str]:
     return found
 
 
+#: In the command line of a process Python's multiprocessing spawned, until it sets a title.
+SPAWNED = "from multiprocessing.spawn import spawn_main"
+
+
+def engine_processes(pid: int, titles: tuple[str, ...]) -> dict[int, str]:
+    """The processes below ``pid`` that run its engine, with their command lines: those titled
+    with one of ``titles`` (what the engine calls its processes), and those multiprocessing
+    spawned that carry no title (a vLLM-CPU engine core kept its spawn command line once, in CI
+    on 2026-12-06); none where ``titles`` is empty (the engine runs in ``pid``)."""
+    if not titles:
+        return {}
+    return {p: cmd for p, cmd in descendants(pid).items() if cmd.startswith(titles) or SPAWNED in cmd}
+
+
 def lifeline(owner: int) -> tuple[int, ...]:
     """The processes from this one's parent up to ``owner``: those whose end ends what this
     process does for ``owner`` (empty: this process is ``owner``, or does not descend from it)."""

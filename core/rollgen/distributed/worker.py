@@ -22,7 +22,7 @@ from rollgen.data import BatchedDataDict, unpad
 from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.errors import RefitError
 from rollgen.output import assemble_from_lists
-from rollgen.processes import descendants, running, shared_memory
+from rollgen.processes import descendants, engine_processes, running, shared_memory
 from rollgen.refit import Named, WeightBucket, WeightSpec, release_staged
 from rollgen.refit.transports.collective import SyncGroupSpec
 from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
@@ -134,9 +134,7 @@ class EngineWorker(ABC):
             self._report_progress,
         )
         self._start()
-        watched = {
-            pid: cmd for pid, cmd in descendants(os.getpid()).items() if cmd.startswith(self.engine_processes)
-        }
+        watched = engine_processes(os.getpid(), self.engine_processes)
         if watched:
             threading.Thread(target=self._watch, args=(watched,), daemon=True, name="rollgen-watch").start()
 
