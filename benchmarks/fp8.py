@@ -58,7 +58,7 @@ from benchmarks.common import (
     save_all,
 )
 from rollgen.output import generated_mask
-from rollgen.testing.reference import agreement
+from rollgen.testing.reference import agreement, teacher_forced_logprobs
 
 #: ``--quant`` values: vLLM's online quantization shorthands (vLLM 0.26), and ``none``.
 QUANTIZATIONS = ("none", "fp8_per_tensor", "fp8_per_block")
@@ -110,17 +110,9 @@ def trainer_logprobs(
 ) -> torch.Tensor:
     """The logprob the trainer's forward gives each generated token of ``out`` (0 on prompt
     and padding, the output's layout), ``chunk`` samples at a time on the trainer's device."""
-    device = next(trainer.parameters()).device
-    ids_all, ends_all = out["output_ids"], out["unpadded_sequence_lengths"]
-    scored = torch.zeros(ids_all.shape, dtype=torch.float32)
-    for i in range(0, ids_all.shape[0], chunk):
-        ids = ids_all[i : i + chunk].clamp(0, trainer.config.vocab_size - 1).to(device)
-        mask = torch.arange(ids.shape[1], device=device) < ends_all[i : i + chunk].to(device).unsqueeze(1)
-        logits = trainer(input_ids=ids, attention_mask=mask.long()).logits[:, :-1].float()
-        picked = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-        scored[i : i + chunk, 1:] = picked.cpu()
-        del logits, picked
-    return scored * generated_mask(out, input_lengths)
+    ids, ends = out["output_ids"], out["unpadded_sequence_lengths"]
+    parts = [slice(i, i + chunk) for i in range(0, ids.shape[0], chunk)]
+    return torch.cat([teacher_forced_logprobs(trainer, ids[p], input_lengths[p], ends[p]) for p in parts])
 
 
 def engine_device(gen: Any) -> torch.device:

@@ -52,9 +52,11 @@ def next_token_logprobs(
     model: Any, output_ids: torch.Tensor, unpadded_sequence_lengths: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """``model``'s log-softmax over the vocabulary for the token after each position but the
-    last, [B, W - 1, V] (one forward pass)."""
-    mask = torch.arange(output_ids.shape[1]).unsqueeze(0) < unpadded_sequence_lengths.unsqueeze(1)
-    ids = output_ids.clamp(min=0, max=model.config.vocab_size - 1)
+    last, [B, W - 1, V] (one forward pass, on the model's device)."""
+    device = next(model.parameters()).device
+    positions = torch.arange(output_ids.shape[1], device=device).unsqueeze(0)
+    mask = positions < unpadded_sequence_lengths.to(device).unsqueeze(1)
+    ids = output_ids.clamp(min=0, max=model.config.vocab_size - 1).to(device)
     logits = model(input_ids=ids, attention_mask=mask.long()).logits.float()
     return torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
 
@@ -66,11 +68,11 @@ def scored_logprobs(
     unpadded_sequence_lengths: torch.Tensor,
 ) -> torch.Tensor:
     """The logprob ``logp`` (from ``next_token_logprobs``) gives each generated token, in the
-    GenerationOutputSpec layout: 0 on prompt and padding positions."""
+    GenerationOutputSpec layout: 0 on prompt and padding positions (on the CPU)."""
     batch, width = output_ids.shape
-    ids = output_ids.clamp(min=0, max=logp.shape[-1] - 1)
+    ids = output_ids.clamp(min=0, max=logp.shape[-1] - 1).to(logp.device)
     out = torch.zeros((batch, width), dtype=torch.float32)
-    out[:, 1:] = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    out[:, 1:] = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1).float().cpu()
     positions = torch.arange(width).unsqueeze(0)
     generated = (positions >= input_lengths.unsqueeze(1)) & (
         positions < unpadded_sequence_lengths.unsqueeze(1)

@@ -24,6 +24,7 @@ import torch
 from rollgen.errors import ConfigError, RefitError
 from rollgen.refit import Receiver, WeightSpec, device_uuid
 from rollgen.refit.channel import ChannelServer
+from rollgen.refit.checks import nonfinite
 from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, receive
 from rollgen_vllm import logs
 from rollgen_vllm.load_plan import LoadPlans, LoadWay, bound_parameters
@@ -202,10 +203,12 @@ class RollgenWorkerExtension:
         model = self.model_runner.model
         if not hasattr(self, "rollgen_lora_layers"):  # the modules are fixed once the engine is up
             self.rollgen_lora_layers = lora_layers(model)
+        way: LoadWay = "loaded"
         if self.rollgen_reloads:
             self.rollgen_reload(named)
-            return "loaded"
-        way: LoadWay = "loaded"
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the sender frees the bucket once this returns
+            return way
         with lora_unwrapped(self.rollgen_lora_layers):
             if not replay:
                 model.load_weights(weights=named)
@@ -249,8 +252,6 @@ class RollgenWorkerExtension:
             for version, (tensors, setup) in self.rollgen_adapters.items():
                 if version not in kept:
                     self.rollgen_add_lora(version, tensors, setup)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the sender frees the bucket once this returns
 
 
 #: Where vLLM's quantized linear layers keep their scales: ``weight_scale`` (FP8 per tensor or
@@ -268,18 +269,14 @@ def scaled_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def check_scales(modules: list[tuple[str, torch.nn.Module]]) -> None:
-    """``RefitError`` naming each module of ``modules`` whose quantization scales (as held now)
-    are not all finite; one host sync for all of them."""
-    scales = [
+    """``RefitError`` naming each scale of ``modules`` (as held now) that is not all finite
+    (``rollgen.refit.checks.nonfinite``: one host sync)."""
+    bad = nonfinite(
         (f"{name}.{s}", t)
         for name, module in modules
         for s in SCALE_NAMES
         if isinstance(t := getattr(module, s, None), torch.Tensor)
-    ]
-    if not scales:
-        return
-    finite = torch.stack([t.isfinite().all() for _, t in scales]).tolist()
-    bad = [name for (name, _), ok in zip(scales, finite) if not ok]
+    )
     if bad:
         raise RefitError(
             f"the engine's quantization of the update gave {len(bad)} non-finite scale(s); the "
