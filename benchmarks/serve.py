@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import multiprocessing
 import multiprocessing.connection
 import signal
 import statistics
+import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -55,10 +57,12 @@ COLUMNS = [
     "median_answer_s",
     "p99_answer_s",
     "median_ttft_s",
+    "p99_ttft_s",
     "client_cpu_ms",
     "server_cpu_ms",
     "front_cpu_ms",
     "other_cpu_ms",
+    "mean_running",
 ]
 
 #: One request's outcome: the tokens it generated and when (``time.perf_counter``) its first
@@ -111,6 +115,7 @@ def summarize(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from the ``drive`` results of a load's parts (run at the same time)."""
     tokens = [n for p in parts for n in p["tokens"]]
     answers = sorted(a for p in parts for a in p["answers"])
+    firsts = sorted(f for p in parts for f in p["firsts"])
     wall = max(p["end"] for p in parts) - min(p["start"] for p in parts)
     return {
         "requests": len(tokens),
@@ -121,7 +126,8 @@ def summarize(parts: list[dict[str, Any]]) -> dict[str, Any]:
         "fewest_tokens": min(tokens),
         "median_answer_s": statistics.median(answers),
         "p99_answer_s": answers[min(len(answers) - 1, int(0.99 * len(answers)))],
-        "median_ttft_s": statistics.median(f for p in parts for f in p["firsts"]),
+        "median_ttft_s": statistics.median(firsts),
+        "p99_ttft_s": firsts[min(len(firsts) - 1, int(0.99 * len(firsts)))],
     }
 
 
@@ -272,6 +278,47 @@ def process_cpu_s(pid: int) -> float:
     return t.user + t.system
 
 
+#: Seconds between two looks at how many requests the engine runs (``mean_running``).
+RUNNING_EVERY_S = 0.02
+
+
+class RunningProbe:
+    """Samples ``running()`` (how many requests the engine has: started, not yet ended) every
+    ``RUNNING_EVERY_S`` from a thread while a load runs; ``mean`` of what it saw. Below the
+    level in flight it says the engine waited for requests (the path between an answer's end
+    and the next request's start), not that its steps were slow."""
+
+    def __init__(self, running: Callable[[], int]) -> None:
+        self.running = running
+        self.seen: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True, name="running-probe")
+
+    def __enter__(self) -> RunningProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(RUNNING_EVERY_S):
+            try:
+                self.seen.append(self.running())
+            except (OSError, ValueError) as exc:  # a failed look is left out, not the load
+                logger.debug("engine load probe: %s", exc)
+
+    @property
+    def mean(self) -> float | None:
+        return statistics.fmean(self.seen) if self.seen else None
+
+
+def generation_running(gen: Any) -> Callable[[], int]:
+    """The requests a rollgen generation's engines run (its driver's count)."""
+    return lambda: sum(r.running for r in gen.replica_load())
+
+
 def measured(
     name: str,
     level: int,
@@ -279,14 +326,18 @@ def measured(
     server_pid: int,
     clients_apart: bool,
     front_pid: int | None = None,
+    running: Callable[[], int] | None = None,
 ) -> dict[str, Any]:
     """One contestant's row at ``level`` in flight: ``run()`` → the load's parts; CPU per request
     of the load's processes (``clients_apart``: its parts' own; else none apart from the
     server's), of the server's process (the trainer's: its driver, and its HTTP side unless that
-    runs apart), of the HTTP side's own process (``front_pid``) and of everything else."""
+    runs apart), of the HTTP side's own process (``front_pid``) and of everything else; with
+    ``running``, the mean number of requests the engine ran meanwhile (``RunningProbe``)."""
     front_cpu = (lambda: process_cpu_s(front_pid)) if front_pid is not None else (lambda: 0.0)
     busy, server, front = busy_cpu_s(), process_cpu_s(server_pid), front_cpu()
-    parts = run()
+    probe = RunningProbe(running) if running is not None else None
+    with probe or contextlib.nullcontext():
+        parts = run()
     busy, server = busy_cpu_s() - busy, process_cpu_s(server_pid) - server
     front = front_cpu() - front
     row = {"contestant": name, "in_flight": level, **summarize(parts)}
@@ -297,6 +348,7 @@ def measured(
         server_cpu_ms=server * per_request,
         front_cpu_ms=front * per_request if front_pid is not None else None,
         other_cpu_ms=max(0.0, busy - client - server - front) * per_request,
+        mean_running=probe.mean if probe is not None else None,
     )
     return row
 
@@ -373,7 +425,10 @@ def measure_rollgen(
         for who, run in contestants.items():
             http = who.startswith("rollgen serve")
             apart, front = http and len(clients) > 0, server.front_pid if http else None
-            record(rows, who, level, partial(measured, who, level, run, psutil.Process().pid, apart, front))
+            measure = partial(
+                measured, who, level, run, psutil.Process().pid, apart, front, generation_running(gen)
+            )
+            record(rows, who, level, measure)
     return rows
 
 
