@@ -241,34 +241,36 @@ class Rollout:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
     # ---- what the core calls ------------------------------------------------------------------
-    def _put(self, result: SampleResult) -> None:
+    # ``wakes``: the caller wakes this rollout's asyncio readers with those of others it
+    # reported to at once (``Wakes.send``), one call into each event loop
+    def _put(self, result: SampleResult, wakes: Wakes | None = None) -> None:
         with self._cond:
             self._results[result.index] = result
             self._results_feed.ready.append(result)
             if self._events_feed is not None:
                 self._events_feed.ready.append(result)
-            self._wake()
+            self._wake(wakes)
 
-    def _put_delta(self, delta: TokenDelta) -> None:
+    def _put_delta(self, delta: TokenDelta, wakes: Wakes | None = None) -> None:
         if self._events_feed is None:
             return
         with self._cond:
             self._events_feed.ready.append(delta)
-            self._wake()
+            self._wake(wakes)
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, wakes: Wakes | None = None) -> None:
         with self._cond:
             self._error = self._error or error
-            self._wake()
+            self._wake(wakes)
 
-    def _wake(self) -> None:
+    def _wake(self, wakes: Wakes | None) -> None:
         self._cond.notify_all()
-        for loop, future in self._waiters:
-            try:
-                loop.call_soon_threadsafe(_resolve, future)
-            except RuntimeError:  # its loop closed while it waited: nobody is waiting there now
-                logger.debug("rollout %d: a waiter's event loop is closed", self.rollout_id)
-        self._waiters.clear()
+        if self._waiters:
+            own = wakes or Wakes()
+            own.add(self._waiters)
+            self._waiters.clear()
+            if wakes is None:
+                own.send()
 
     # ---- the trainer's side -------------------------------------------------------------------
     @property
@@ -456,9 +458,30 @@ def _index(value: Any) -> int:
     return operator.index(value)
 
 
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+def _resolve(futures: list[asyncio.Future[None]]) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_result(None)
+
+
+class Wakes:
+    """Asyncio readers to wake (their waiting futures), by event loop: ``send`` makes one call
+    into each loop for all of its readers, however many rollouts a report reached."""
+
+    def __init__(self) -> None:
+        self._futures: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+
+    def add(self, waiters: Iterable[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]) -> None:
+        for loop, future in waiters:
+            self._futures.setdefault(loop, []).append(future)
+
+    def send(self) -> None:
+        for loop, futures in self._futures.items():
+            try:
+                loop.call_soon_threadsafe(_resolve, futures)
+            except RuntimeError:  # its loop closed while they waited: nobody is waiting there now
+                logger.debug("an event loop closed while %d readers waited on it", len(futures))
+        self._futures.clear()
 
 
 class Streams:
@@ -570,6 +593,7 @@ class Streams:
     def progress(self, reports: Iterable[SampleProgress]) -> None:
         """A backend's report of tokens that running samples made (keys they were started
         with); reports of samples no longer running are dropped (they ended meanwhile)."""
+        wakes = Wakes()
         with self._cond:
             for report in reports:
                 sample = self._running.get(report.key)
@@ -585,10 +609,12 @@ class Streams:
                     continue
                 start = len(sample.token_ids) + len(sample.progress)
                 sample.progress.extend(report.token_ids)
-                sample.rollout._put_delta(sample.delta(report.token_ids, report.logprobs, start))
+                sample.rollout._put_delta(sample.delta(report.token_ids, report.logprobs, start), wakes)
+        wakes.send()
 
     def deliver(self, finished: Iterable[FinishedSample]) -> None:
         """A backend's report of samples that ended (keys it was started with)."""
+        wakes = Wakes()
         with self._cond:
             for f in finished:
                 sample = self._running.pop(f.key, None)
@@ -596,13 +622,14 @@ class Streams:
                     logger.error(STRAY_REPORT, f.key)
                     continue
                 try:
-                    self._ended(sample, f)
+                    self._ended(sample, f, wakes)
                 except Exception as exc:  # noqa: BLE001 - this sample's rollout raises it; the others go on
                     logger.exception("sample %s: its end could not be recorded", f.key)
-                    sample.rollout._fail(exc)
+                    sample.rollout._fail(exc, wakes)
             self._cond.notify_all()
+        wakes.send()
 
-    def _ended(self, sample: _Sample, f: FinishedSample) -> None:
+    def _ended(self, sample: _Sample, f: FinishedSample, wakes: Wakes) -> None:
         if f.error is None and len(f.token_ids) != len(f.logprobs):
             raise OutputError(
                 f"sample {sample.index}: the engine returned {len(f.logprobs)} logprobs for "
@@ -628,29 +655,33 @@ class Streams:
             tokens and tokens[-1] in params.stop_token_ids
         )
         if f.error is not None:
-            sample.rollout._fail(RollgenError(f"sample {sample.index} failed in the engine: {f.error}"))
+            sample.rollout._fail(
+                RollgenError(f"sample {sample.index} failed in the engine: {f.error}"), wakes
+            )
         elif not f.aborted or sample.ending is None or (complete and sample.ending == "continue"):
             end = len(sample.prompt_ids) + len(tokens)
-            self._finish(sample, self._stop_reason(params, end, tokens), rest)
+            self._finish(sample, self._stop_reason(params, end, tokens), rest, wakes)
         elif sample.ending == "continue" or (
             sample.ending == "aborted" and self._updating and not (f.started and tokens)
         ):
             # an update's abort ends the samples that made tokens; one with none yet loses
             # nothing by starting again after it, on the new weights
             if rest.token_ids:
-                sample.rollout._put_delta(rest)
+                sample.rollout._put_delta(rest, wakes)
             sample.attempt += 1
             self._held.append(sample)
         else:
-            self._finish(sample, sample.ending, rest)
+            self._finish(sample, sample.ending, rest, wakes)
 
-    def _finish(self, sample: _Sample, reason: str, rest: TokenDelta | None = None) -> None:
+    def _finish(
+        self, sample: _Sample, reason: str, rest: TokenDelta | None = None, wakes: Wakes | None = None
+    ) -> None:
         """``sample``'s result, after ``rest`` (its last tokens, not shown yet) if any."""
         # a sample that never started is stamped with the version it would have run under
         versions = tuple(sample.versions) or ((self.version, 0),)
         rollout = sample.rollout
         if rest is not None and rest.token_ids:
-            rollout._put_delta(dataclasses.replace(rest, final=True))
+            rollout._put_delta(dataclasses.replace(rest, final=True), wakes)
         rollout._put(
             SampleResult(
                 sample.index,
@@ -662,7 +693,8 @@ class Streams:
                 rollout.tag,
                 sample.replica,
                 sample.restarts,
-            )
+            ),
+            wakes,
         )
 
     @contextmanager
