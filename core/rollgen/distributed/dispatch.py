@@ -155,7 +155,7 @@ class SampleDispatcher:
         try:
             if polled:
                 moved, ended = self.group.get([ref], names=[name])[0]
-                self._moved(engine, moved)
+                self._moved(engine, moved.unpack())
             else:
                 self.group.get([ref], names=[name])
         except RollgenError as exc:  # a death the generation outlives re-runs its samples elsewhere

@@ -19,6 +19,7 @@ import ray
 import torch
 
 from rollgen.data import BatchedDataDict, unpad
+from rollgen.distributed.progress import PackedProgress
 from rollgen.distributed.worker_groups import TiedGroup
 from rollgen.errors import RefitError
 from rollgen.output import assemble_from_lists
@@ -263,7 +264,7 @@ class EngineWorker(ABC):
         self._streaming.abort(keys)
 
     @ray.method(concurrency_group="results")  # type: ignore[untyped-decorator]
-    def poll(self, timeout_s: float) -> tuple[list[SampleProgress], list[FinishedSample]]:
+    def poll(self, timeout_s: float) -> tuple[PackedProgress, list[FinishedSample]]:
         """The new tokens of streaming samples (one report per sample: all it made since the
         last poll), then the samples that ended, since the last poll (waits up to ``timeout_s``
         for either)."""
@@ -271,7 +272,7 @@ class EngineWorker(ABC):
             self._mailbox.wait_for(lambda: bool(self._ended or self._moved), timeout_s)
             ended, self._ended = self._ended, []
             moved, self._moved = self._moved, {}
-        return [SampleProgress(k, tuple(t), tuple(lp)) for k, (t, lp) in moved.items()], ended
+        return PackedProgress.pack(moved), ended
 
     def _report(self, ended: list[FinishedSample]) -> None:
         with self._mailbox:
