@@ -87,18 +87,28 @@ class ChoiceStream:
         self.index, self.prompt, self.hold, self.chat = index, prompt, hold, chat
         self.logprobs, self.token_text, self.logprobs_mode = logprobs, token_text, logprobs_mode
         self.text = text
-        self.decoded = ""  # the text decoded so far
-        self.sent = 0  # characters of it sent
+        # the text decoded so far, in pieces (joined once each: linear in the reply): sent, held
+        self._sent: list[str] = []
+        self._held: list[str] = []
+        self._held_chars = 0
+        self.sent = 0  # characters sent
         self.started = False
 
     def delta(self, delta: TokenDelta) -> dict[str, Any]:
         """The chunk choice for ``delta``'s tokens."""
-        self.decoded += self.text.add(delta.token_ids)
+        piece = self.text.add(delta.token_ids)
+        if piece:
+            self._held.append(piece)
+            self._held_chars += len(piece)
+        text = ""
         # a sample's last tokens may complete a stop string: its end says what text they add
-        upto = (
-            self.sent if self.hold is None or delta.final else max(self.sent, len(self.decoded) - self.hold)
-        )
-        text, self.sent = self.decoded[self.sent : upto], upto
+        if self.hold is not None and not delta.final and self._held_chars > self.hold:
+            held = "".join(self._held)  # at most ``hold`` characters and this delta's
+            cut = len(held) - self.hold
+            text, rest = held[:cut], held[cut:]
+            self._held, self._held_chars = ([rest] if rest else []), len(rest)
+            self._sent.append(text)
+            self.sent += cut
         extension = {
             "token_ids": list(delta.token_ids),
             "logprobs": list(delta.logprobs),
@@ -120,7 +130,7 @@ class ChoiceStream:
         }
         whole = (final["message"].get("content") or "") if self.chat else final["text"]
         # the text sent is a prefix of the whole (held back where a stop string may begin)
-        rest = whole[self.sent :] if whole.startswith(self.decoded[: self.sent]) else ""
+        rest = whole[self.sent :] if whole.startswith("".join(self._sent)) else ""
         chunk = self._chunk(rest, extension, final["finish_reason"], (), ())
         if self.chat and final["message"].get("tool_calls"):
             chunk["delta"]["tool_calls"] = final["message"]["tool_calls"]
