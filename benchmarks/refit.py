@@ -44,11 +44,24 @@ def random_state(spec: WeightSpec, device: torch.device) -> dict[str, torch.Tens
     return state
 
 
+#: The largest buffer ``copy_floor`` copies at once (a 7B model's state has no room twice).
+FLOOR_CHUNK = 1 << 30
+
+
 def copy_floor(nbytes: int, device: torch.device, repeats: int) -> float:
-    """Median seconds of one device-to-device copy of ``nbytes``."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    """Median seconds of device-to-device copies of ``nbytes`` in all (of at most
+    ``FLOOR_CHUNK`` each, from one buffer to another)."""
+    size = min(nbytes, FLOOR_CHUNK)
+    src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy = partial(dst.copy_, src)
+    whole, rest = divmod(nbytes, size)
+
+    def copy() -> None:
+        for _ in range(whole):
+            dst.copy_(src)
+        if rest:
+            dst[:rest].copy_(src[:rest])
+
     copy()
     return statistics.median(timed(copy) for _ in range(repeats))
 
