@@ -346,7 +346,9 @@ def test_the_serve_benchmark_runs_both_contestants(tmp_path) -> None:  # type: i
     assert set(by_name) == {"in-process submit", "rollgen serve", "rollgen serve (thread front)"}
     assert served["tokens"] == threaded["tokens"] == by_name["in-process submit"]["tokens"] > 0
     assert served["client_cpu_ms"] > 0 and by_name["in-process submit"]["client_cpu_ms"] is None
-    assert served["front_cpu_ms"] > 0 and threaded["front_cpu_ms"] is None
+    # counted apart (a number, maybe 0: four tiny requests may take less than a clock tick of CPU)
+    assert served["front_cpu_ms"] is not None and served["front_cpu_ms"] >= 0
+    assert threaded["front_cpu_ms"] is None
     assert (tmp_path / "serve.json").is_file()
 
 
