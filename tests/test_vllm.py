@@ -218,12 +218,17 @@ def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> No
     import os
     import signal
 
-    from rollgen.processes import descendants
+    import psutil
+
+    from rollgen.processes import descendants, engine_processes
+    from rollgen_vllm.worker import VllmWorker
 
     dp1.generate(batch, greedy=True)
-    engine_processes = descendants(dp1.engines.info(0)["pid"])
-    core = [pid for pid, cmd in engine_processes.items() if cmd.startswith("VLLM::EngineCore")]
-    assert len(core) == 1, engine_processes
+    pid = dp1.engines.info(0)["pid"]
+    # the actor's child among the engine's processes (titled VLLM::EngineCore, or not titled)
+    children = {p.pid for p in psutil.Process(pid).children()}
+    core = [p for p in engine_processes(pid, VllmWorker.engine_processes) if p in children]
+    assert len(core) == 1, descendants(pid)
     os.kill(core[0], signal.SIGKILL)
     with pytest.raises(WorkerError, match="rollgen-vllm-dp0: died") as info:
         dp1.generate(batch, greedy=True)
