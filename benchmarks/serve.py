@@ -304,10 +304,7 @@ class RunningProbe:
 
     def _sample(self) -> None:
         while not self._stop.wait(RUNNING_EVERY_S):
-            try:
-                self.seen.append(self.running())
-            except (OSError, ValueError) as exc:  # a failed look is left out, not the load
-                logger.debug("engine load probe: %s", exc)
+            self.seen.append(self.running())
 
     @property
     def mean(self) -> float | None:

@@ -266,7 +266,7 @@ class Rollout:
     def _wake(self, wakes: Wakes | None) -> None:
         self._cond.notify_all()
         if self._waiters:
-            own = wakes or Wakes()
+            own = wakes if wakes is not None else Wakes()
             own.add(self._waiters)
             self._waiters.clear()
             if wakes is None:

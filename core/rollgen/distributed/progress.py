@@ -39,6 +39,3 @@ class PackedProgress:
             reports.append(SampleProgress(key, tuple(self.token_ids[at:end]), tuple(self.logprobs[at:end])))
             at = end
         return reports
-
-    def __len__(self) -> int:
-        return len(self.keys)
