@@ -419,6 +419,56 @@ def test_a_client_that_leaves_has_its_work_cancelled() -> None:
     assert asyncio.run(run()) == (None, True)
 
 
+class Recording:
+    """The generation, with each rollout its ``submit`` makes and each ``cancel`` of one kept."""
+
+    def __init__(self, gen: Any) -> None:
+        self.gen, self.rollouts, self.cancelled = gen, [], []
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        rollout = self.gen.submit(*args, **kwargs)
+        cancel = rollout.cancel
+
+        def kept(*a: Any) -> None:
+            self.cancelled.append(rollout)
+            cancel(*a)
+
+        rollout.cancel = kept
+        self.rollouts.append(rollout)
+        return rollout
+
+
+def test_submits_queue_behind_a_busy_generation_and_a_left_request_is_cancelled(gen: Any) -> None:
+    """The server's submits run on one thread of their own: while the generation is busy (its
+    lock held, as a refit holds it) requests queue; each gets its own rollout, in order; one
+    whose asker left meanwhile has its rollout cancelled; a bad request gets its typed error."""
+    from rollgen.errors import InputError
+    from rollgen.serving.port import Samples, Submitter
+
+    recording = Recording(gen)
+    submitter = Submitter(recording)  # type: ignore[arg-type]
+    samples = Samples(prompt=tuple(gen.tokenizer("count: 1 2")["input_ids"]), n=1, max_new_tokens=4)
+
+    async def run() -> list[Any]:
+        with gen._lock:  # the generation busy: nothing is submitted yet
+            kept = asyncio.ensure_future(submitter.submit(samples, None, False))
+            left = asyncio.ensure_future(submitter.submit(samples, None, False))
+            bad = asyncio.ensure_future(submitter.submit(Samples((1, 2), 1, temperature=-1.0), None, False))
+            await asyncio.sleep(0)  # all three queued
+            left.cancel()
+            assert recording.rollouts == []
+        rollout = await kept
+        with pytest.raises(InputError, match="temperature"):
+            await bad
+        submitter.close()  # every queued request is submitted and handed back
+        await asyncio.sleep(0)
+        return [r async for r in rollout]
+
+    results = asyncio.run(run())
+    assert len(recording.rollouts) == 2 and recording.cancelled == [recording.rollouts[1]]
+    assert len(results) == 1 and results[0].token_ids
+
+
 class EchoParser:
     """A plugin's parser for the test: every reply is one call of ``echo`` with its text."""
 

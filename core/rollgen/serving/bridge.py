@@ -197,6 +197,7 @@ class Bridge:
                 return
         self.pipe.close()
         self._loop.close()
+        self.port.close()
 
     # ---- in the bridge's loop --------------------------------------------------------------------
     def _handle(self, messages: list[Message] | None) -> None:

@@ -6,8 +6,8 @@ submit a request's samples, cancel them, wait for the generation to be ready, re
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
+import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
@@ -133,23 +133,17 @@ class LocalRollout:
 
 
 class LocalPort:
-    """The generation itself: ``submit`` on the default executor (it may wait for the trainer's
-    refit), ``wait_ready`` on a daemon thread (one the server's shutdown need not wait for)."""
+    """The generation itself: ``submit`` on a thread of its own (it may wait for the trainer's
+    refit; ``Submitter``), ``wait_ready`` on a daemon thread (one the server's shutdown need not
+    wait for). ``close`` ends the submitting thread."""
 
     def __init__(self, gen: GenerationInterface) -> None:
         self.gen = gen
         self.facts = Facts.of(gen)
+        self._submitter = Submitter(gen)
 
     async def submit(self, samples: Samples, replica: int | None, stream_tokens: bool) -> LocalRollout:
-        submit = functools.partial(
-            self.gen.submit, samples.batch(), replica=replica, stream_tokens=stream_tokens
-        )
-        future = asyncio.get_running_loop().run_in_executor(None, submit)
-        try:
-            return LocalRollout(await asyncio.shield(future))
-        except asyncio.CancelledError:  # its asker left (or the server stops): no one reads it
-            future.add_done_callback(cancel_late)
-            raise
+        return LocalRollout(await self._submitter.submit(samples, replica, stream_tokens))
 
     async def wait_ready(self, timeout_s: float) -> tuple[bool, bool]:
         loop = asyncio.get_running_loop()
@@ -168,15 +162,102 @@ class LocalPort:
     async def live(self) -> Live:
         return live_of(self.gen)
 
+    def close(self) -> None:
+        self._submitter.close()
+
+
+@dataclass
+class _Submit:
+    """A request waiting for its submit, and where its rollout goes."""
+
+    samples: Samples
+    replica: int | None
+    stream_tokens: bool
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Rollout]
+    outcome: Rollout | BaseException | None = None
+
+
+class Submitter:
+    """Submits requests' samples to ``gen`` on one thread: the requests that arrive while it
+    submits are submitted next, in order, and their rollouts go back to their event loop
+    together (one wake-up of the loop a round, not one thread hand-off a request). A request
+    whose asker left before its rollout came back has that rollout cancelled."""
+
+    def __init__(self, gen: GenerationInterface) -> None:
+        self.gen = gen
+        self._queue: queue.SimpleQueue[_Submit | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    async def submit(self, samples: Samples, replica: int | None, stream_tokens: bool) -> Rollout:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Rollout] = loop.create_future()
+        self._ensure_thread()
+        self._queue.put(_Submit(samples, replica, stream_tokens, loop, future))
+        return await future
+
+    def close(self) -> None:
+        """End the thread once what was queued is submitted."""
+        with self._start_lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()
+
+    def _ensure_thread(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rollgen-serve-submit", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while (first := self._queue.get()) is not None:
+            round_ = [first]
+            stop = False
+            while not self._queue.empty():
+                item = self._queue.get()
+                if item is None:
+                    stop = True
+                    break
+                round_.append(item)
+            for item in round_:
+                item.outcome = self._submit(item)
+            for loop in {item.loop for item in round_}:
+                mine = [item for item in round_ if item.loop is loop]
+                try:
+                    loop.call_soon_threadsafe(hand_back, mine)
+                except RuntimeError:  # the loop is closed: nobody reads these rollouts
+                    for item in mine:
+                        if isinstance(item.outcome, Rollout):
+                            item.outcome.cancel()
+            if stop:
+                return
+
+    def _submit(self, item: _Submit) -> Rollout | BaseException:
+        try:
+            return self.gen.submit(
+                item.samples.batch(), replica=item.replica, stream_tokens=item.stream_tokens
+            )
+        except Exception as exc:  # noqa: BLE001 - handed to the request that asked (its caller types it)
+            return exc
+
+
+def hand_back(items: list[_Submit]) -> None:
+    """In the asker's loop: each rollout (or error) to its request; cancel those no one awaits."""
+    for item in items:
+        outcome = item.outcome
+        if item.future.cancelled():
+            if isinstance(outcome, Rollout):
+                outcome.cancel()
+        elif isinstance(outcome, Rollout):
+            item.future.set_result(outcome)
+        elif outcome is not None:
+            item.future.set_exception(outcome)
+
 
 def live_of(gen: GenerationInterface) -> Live:
     return Live(gen.weight_version, gen.usable, [asdict(r) for r in gen.replica_load()])
-
-
-def cancel_late(future: asyncio.Future[Rollout]) -> None:
-    """Cancel the rollout of a submit whose asker left before it returned."""
-    if not future.cancelled() and future.exception() is None:
-        future.result().cancel()
 
 
 def settle(future: asyncio.Future[bool], value: bool) -> None:

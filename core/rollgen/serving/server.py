@@ -102,6 +102,7 @@ class Server:
         self.front = front
         self.host, self._port = host, port
         self._front: Front | None = None
+        self._local_port: LocalPort | None = None  # the thread front's
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self._bridge: Bridge | None = None
@@ -160,7 +161,8 @@ class Server:
         return self
 
     def _start_thread(self, sock: socket.socket) -> bool:
-        front = self._front = Front(self.spec, LocalPort(self.gen))
+        self._local_port = LocalPort(self.gen)
+        front = self._front = Front(self.spec, self._local_port)
         ready = threading.Event()
 
         def run() -> None:
@@ -212,6 +214,9 @@ class Server:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._local_port is not None:
+            self._local_port.close()
+            self._local_port = None
         if self._process is not None:
             if self._bridge is not None:
                 self._bridge.stop_server()
