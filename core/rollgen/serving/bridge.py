@@ -74,11 +74,22 @@ class PipeEnd:
         self._out: queue.SimpleQueue[list[Message] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: The threads still using ``conn``: the last to end closes it. A descriptor closed while
+        #: another thread may still read or write it can be reused by a file opened meanwhile,
+        #: which that thread would then read from or write to.
+        self._users = 0
+        self._users_lock = threading.Lock()
 
     def start(self, loop: asyncio.AbstractEventLoop, handle: Callable[[list[Message] | None], None]) -> None:
         self._loop = loop
 
         def read() -> None:
+            try:
+                receive()
+            finally:
+                self._let_go_of_conn()
+
+        def receive() -> None:
             while True:
                 try:
                     messages = self.loads(self.conn.recv_bytes())
@@ -95,12 +106,16 @@ class PipeEnd:
                     return
 
         def write() -> None:
-            while (messages := self._out.get()) is not None:
-                try:
-                    self._send(messages)
-                except (OSError, ValueError):  # the other end is gone: its reader says so
-                    return
+            try:
+                while (messages := self._out.get()) is not None:
+                    try:
+                        self._send(messages)
+                    except (OSError, ValueError):  # the other end is gone: its reader says so
+                        return
+            finally:
+                self._let_go_of_conn()
 
+        self._users = 2
         for target, role in ((read, "read"), (write, "write")):
             thread = threading.Thread(target=target, name=f"{self.name}-{role}", daemon=True)
             thread.start()
@@ -127,9 +142,16 @@ class PipeEnd:
         if messages:
             self._out.put(messages)
 
+    def _let_go_of_conn(self) -> None:
+        with self._users_lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self.conn.close()
+
     def close(self, last: Message | None = None) -> None:
-        """Stop writing (what was posted is sent first, then ``last``) and close this end (once
-        the loop no longer runs)."""
+        """Stop writing (what was posted is sent first, then ``last``); this end closes once its
+        reader has read the other end's close too (or now, if it never started)."""
         self._flush()
         writer = [t for t in self._threads if t.name.endswith("-write")]
         if last is not None:
@@ -145,7 +167,8 @@ class PipeEnd:
             thread.join(CLOSE_TIMEOUT_S)
             if thread.is_alive():
                 logger.warning("%s: the pipe's writer did not end within %g s", self.name, CLOSE_TIMEOUT_S)
-        self.conn.close()
+        if not self._threads:
+            self.conn.close()
 
 
 class Bridge:
