@@ -160,9 +160,12 @@ def processed_logprobs(
     return torch.empty_like(kept).scatter_(-1, order, kept), near
 
 
-def random_adapter(spec: AdapterSpec, seed: int, scale: float = 0.3) -> dict[str, torch.Tensor]:
+def random_adapter(spec: AdapterSpec, seed: int, scale: float = 0.03) -> dict[str, torch.Tensor]:
     """A LoRA adapter of ``spec`` (PEFT's names and shapes, its dtype) with seeded Gaussian
-    factors of ``scale``: outputs a refit can tell apart from the model's alone."""
+    factors of ``scale``: outputs a refit can tell apart from the model's alone. The default
+    gives the tiny model's layers an update of about a tenth of their weights, as a trained
+    adapter's is; one as large as the weights themselves (scale 0.3) makes bf16 rounding alone
+    (the merged reference's against an engine's unmerged LoRA) move greedy tokens."""
     noise = torch.Generator().manual_seed(seed)
     return {
         name: (torch.randn(shape, generator=noise) * scale).to(getattr(torch, dtype))
