@@ -85,25 +85,24 @@ class PipeEnd:
 
         def read() -> None:
             try:
-                receive()
+                while True:
+                    try:
+                        messages = self.loads(self.conn.recv_bytes())
+                    except (EOFError, OSError):
+                        messages = None
+                    except Exception:  # noqa: BLE001 - a message that cannot be read ends the pipe
+                        logger.exception(
+                            "%s: a message from the other end could not be read; closing", self.name
+                        )
+                        messages = None
+                    try:
+                        loop.call_soon_threadsafe(handle, messages)
+                    except RuntimeError:  # the loop is closed: nobody reads any more
+                        return
+                    if messages is None:
+                        return
             finally:
                 self._let_go_of_conn()
-
-        def receive() -> None:
-            while True:
-                try:
-                    messages = self.loads(self.conn.recv_bytes())
-                except (EOFError, OSError):
-                    messages = None
-                except Exception:  # noqa: BLE001 - a message that cannot be read ends the pipe
-                    logger.exception("%s: a message from the other end could not be read; closing", self.name)
-                    messages = None
-                try:
-                    loop.call_soon_threadsafe(handle, messages)
-                except RuntimeError:  # the loop is closed: nobody reads any more
-                    return
-                if messages is None:
-                    return
 
         def write() -> None:
             try:
