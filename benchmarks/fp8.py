@@ -30,6 +30,9 @@ the 7B shape is a run of its own)::
     CUDA_VISIBLE_DEVICES=0 timeout -s INT 580 bash scripts/gpu_run.sh vllm-ray \\
         python3 -m benchmarks.fp8 --shape 7b --out $OUT 2>&1 | tee $OUT/fp8-7b.log
 
+``--max-capture 1024`` captures CUDA graphs up to 1024 sequences (vLLM's default stops at 512:
+larger decode batches run eager, where an FP8 layer launches more kernels than a bf16 one).
+
 A CPU smoke run (vLLM-CPU has no FP8 kernels: ``--quant none`` only; fp32, eager)::
 
     python -m benchmarks.fp8 --model tiny --quant none --batches 4 --prompt-tokens 16 \\
@@ -77,6 +80,8 @@ def engine_config(model: str, args: argparse.Namespace, quantization: str, kv_fp
         kwargs["quantization"] = quantization
     if kv_fp8:
         kwargs["kv_cache_dtype"] = "fp8"
+    if args.max_capture:
+        kwargs["compilation_config"] = {"max_cudagraph_capture_size": args.max_capture}
     vllm_cfg: dict[str, Any] = {"load_format": "dummy", "enforce_eager": not gpu}
     if gpu:
         vllm_cfg["gpu_memory_utilization"] = args.util
@@ -190,6 +195,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--gap-chunk", type=int, default=8, help="samples per trainer forward")
     parser.add_argument("--util", type=float, default=0.5, help="gpu_memory_utilization")
     parser.add_argument("--seed", type=int, default=0, help="of the trainer's initialization")
+    parser.add_argument(
+        "--max-capture",
+        type=int,
+        default=0,
+        help="vLLM's largest CUDA-graph batch (0: vLLM's default, 512); decode batches above it run eager",
+    )
     parser.add_argument("--out", default="out/benchmarks")
     return parser.parse_args(argv)
 
@@ -203,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list]:
     else:
         model = args.model or SHAPES[args.shape]()
     args.label = os.path.basename(os.path.normpath(args.model)) if args.model else args.shape
+    if args.max_capture:
+        args.label += f"-capture{args.max_capture}"
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the driver also runs Ray
     logging.basicConfig(level=logging.INFO)
     results: dict[str, list] = {"refit": [], "gap": [], "throughput": []}

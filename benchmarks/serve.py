@@ -1,6 +1,7 @@
 """The OpenAI endpoint's cost: the same requests through ``rollgen.serve`` (driven by an aiohttp
 load generator, one connection per request in flight) and through in-process ``submit`` (one
-single-sample rollout per request), at each number of requests in flight. Per contestant: wall
+single-sample rollout per request; with ``--stream`` also submitted streaming its tokens, as the
+server submits a streamed request), at each number of requests in flight. Per contestant: wall
 time, generated tokens per second, the median and p99 time to a request's answer, the median time
 to its first token (``--stream``: the first chunk; rollgen streams whole samples, so there it is
 the answer's time), and CPU seconds per request: the load generator's (``client``), the serving
@@ -38,6 +39,7 @@ import torch
 import rollgen
 from benchmarks.common import print_table, random_prompts, write_results
 from rollgen.errors import RollgenError
+from rollgen.rollout import TokenDelta
 from rollgen.serving import Limits
 from rollgen.testing.config import tiny_config
 
@@ -131,9 +133,13 @@ def summarize(parts: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def in_process(gen: Any, max_tokens: int, temperature: float) -> Callable[[list[int]], Awaitable[Outcome]]:
-    """A contestant: ``gen.submit`` of the batch the server makes of a request; its first token
-    is its answer (a rollout yields whole samples)."""
+def in_process(
+    gen: Any, max_tokens: int, temperature: float, stream: bool = False
+) -> Callable[[list[int]], Awaitable[Outcome]]:
+    """A contestant: ``gen.submit`` of the batch the server makes of a request. Not streamed,
+    its first token is its answer (the rollout yields whole samples); ``stream``: submitted with
+    ``stream_tokens=True`` as the server submits a streamed request, its first token the first
+    ``TokenDelta`` (the HTTP layer's cost alone is then serve / this)."""
 
     async def one(prompt: list[int]) -> Outcome:
         batch = {
@@ -142,9 +148,18 @@ def in_process(gen: Any, max_tokens: int, temperature: float) -> Callable[[list[
             "max_new_tokens": torch.tensor([max_tokens]),
             "temperature": torch.tensor([float(temperature)]),
         }
-        rollout = gen.submit(batch)
-        tokens = sum([len(r.token_ids) async for r in rollout])
-        return tokens, time.perf_counter()
+        rollout = gen.submit(batch, stream_tokens=stream)
+        if not stream:
+            tokens = sum([len(r.token_ids) async for r in rollout])
+            return tokens, time.perf_counter()
+        first: float | None = None
+        tokens = 0
+        async for event in rollout.events():
+            if isinstance(event, TokenDelta):
+                first = first or time.perf_counter()
+            else:
+                tokens += len(event.token_ids)
+        return tokens, first or time.perf_counter()
 
     return one
 
@@ -377,16 +392,18 @@ def http_contestant(
 
 
 def submit_contestant(
-    gen: Any, max_tokens: int, temperature: float, load: list[list[int]], level: int
+    gen: Any, max_tokens: int, temperature: float, load: list[list[int]], level: int, stream: bool = False
 ) -> Callable[[], list[dict[str, Any]]]:
     async def both() -> dict[str, Any]:
-        one = in_process(gen, max_tokens, temperature)
+        one = in_process(gen, max_tokens, temperature, stream)
         await drive(load[: min(WARMUP, level)], level, one)
         return await drive(load, level, one)
 
     return lambda: [asyncio.run(both())]
 
 
+#: The in-process contestant submitting as the server does a streamed request (``--stream``).
+STREAMED_SUBMIT = "in-process submit, streamed"
 #: The contestant of a server's answers not streamed, beside its streamed one (``--plain``).
 NOT_STREAMED = ", not streamed"
 
@@ -414,6 +431,10 @@ def measure_rollgen(
             contestants["in-process submit"] = submit_contestant(
                 gen, args.max_tokens, args.temperature, load, level
             )
+            if args.stream:
+                contestants[STREAMED_SUBMIT] = submit_contestant(
+                    gen, args.max_tokens, args.temperature, load, level, stream=True
+                )
         if plain and args.stream:
             whole = completion_body(server.model_id, args.max_tokens, args.temperature, False)
             contestants[name + NOT_STREAMED] = http_contestant(

@@ -6,7 +6,10 @@ prompts, the same sampling) driven by ``benchmarks.serve``'s aiohttp load genera
   side in a process of its own, or with ``--front thread`` in this one), its answers streamed
   token by token (``--stream``, the default) and, with ``--plain`` (the default), also not
   streamed;
-- **in-process submit**: the same generation's ``submit``, one rollout per request;
+- **in-process submit**: the same generation's ``submit``, one rollout per request, its results
+  read whole, and (``--stream``) **in-process submit, streamed**: submitted with
+  ``stream_tokens=True`` as the server submits a streamed request, its tokens read as they come
+  (serve / this is the HTTP layer's own cost; serve / the first adds the token streaming's);
 - **raw vllm serve**: vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``,
   which vLLM 0.26 and 0.32 both have) started as a subprocess with the engine arguments
   rollgen's engine ran with (``engine_kwargs`` of its worker spec, less rollgen's worker
@@ -21,7 +24,7 @@ carries the first token), and CPU ms per request of the load generator, the serv
 (rollgen: this process, rollgen's driver, and the HTTP side with ``--front thread``; raw: the
 API server process), rollgen's HTTP side's own process (``front_cpu_ms``) and the rest of the
 machine (engine processes, Ray). Then the ratios rollgen / raw, streamed and not, and
-rollgen serve / in-process submit. Results: ``serve_gpu_rows.json``, ``serve_gpu_ratios.json``,
+rollgen serve / in-process submit (each). Results: ``serve_gpu_rows.json``, ``serve_gpu_ratios.json``,
 ``serve_gpu_settings.json`` (the raw server's command line) and ``vllm_serve.log`` in ``--out``;
 rows are saved as measured.
 
@@ -83,6 +86,7 @@ RATIO_COLUMNS = [
     "server_cpu_ms",
     "plain_tokens_per_s",
     "serve_vs_submit",
+    "serve_vs_streamed_submit",
     "plain_serve_vs_submit",
 ]
 
@@ -279,7 +283,7 @@ def measure_raw(
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """At each level: rollgen serve / raw vllm serve (streamed, each column); not streamed, the
     throughputs' ratio (None without ``--plain``); rollgen serve / in-process submit's
-    throughput, streamed and not."""
+    throughput, streamed and not, and rollgen serve / the streamed in-process submit's."""
     by = {(r["contestant"], r["in_flight"]): r for r in serve.measured_rows(rows)}
     out = []
     plain = serve.NOT_STREAMED
@@ -296,6 +300,10 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ours_plain["tokens_per_s"] / raw_plain["tokens_per_s"] if ours_plain and raw_plain else None
         )
         row["serve_vs_submit"] = ours["tokens_per_s"] / submit["tokens_per_s"]
+        streamed = by.get((serve.STREAMED_SUBMIT, level))
+        row["serve_vs_streamed_submit"] = (
+            ours["tokens_per_s"] / streamed["tokens_per_s"] if streamed else None
+        )
         row["plain_serve_vs_submit"] = (
             ours_plain["tokens_per_s"] / submit["tokens_per_s"] if ours_plain else None
         )
