@@ -330,21 +330,29 @@ def test_long_tail_methods_generate_the_same_tokens_on_hf(hf_config: dict) -> No
 def test_the_serve_benchmark_runs_both_contestants(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A smoke run (the figures belong in BENCHMARKS.md, not here): the server (its HTTP side in
     a process, then in a thread), streamed to a load-generator process, and in-process submit
-    generate the same greedy tokens for the same load; the client's CPU and the HTTP process's
-    are counted apart."""
+    (results whole, and streaming its tokens as the server does) generate the same greedy tokens
+    for the same load; the client's CPU and the HTTP process's are counted apart."""
     from benchmarks import serve
 
     argv = ["--requests", "4", "--in-flight", "1,2", "--max-tokens", "3", "--stream", "--clients", "1"]
     rows = serve.main([*argv, "--front", "both", "--out", str(tmp_path)])
     assert sorted((r["contestant"], r["in_flight"]) for r in rows) == sorted(
         (name, level)
-        for name in ("in-process submit", "rollgen serve", "rollgen serve (thread front)")
+        for name in (
+            "in-process submit",
+            "in-process submit, streamed",
+            "rollgen serve",
+            "rollgen serve (thread front)",
+        )
         for level in (1, 2)
     )
     by_name = {r["contestant"]: r for r in rows if r["in_flight"] == 2}
     served, threaded = by_name["rollgen serve"], by_name["rollgen serve (thread front)"]
-    assert set(by_name) == {"in-process submit", "rollgen serve", "rollgen serve (thread front)"}
+    streamed = by_name["in-process submit, streamed"]
     assert served["tokens"] == threaded["tokens"] == by_name["in-process submit"]["tokens"] > 0
+    assert streamed["tokens"] == served["tokens"]
+    # a streamed sample's first token comes before its answer ends (it may be the same tick)
+    assert streamed["median_ttft_s"] <= streamed["median_answer_s"]
     assert served["client_cpu_ms"] > 0 and by_name["in-process submit"]["client_cpu_ms"] is None
     # counted apart (a number, maybe 0: four tiny requests may take less than a clock tick of CPU)
     assert served["front_cpu_ms"] is not None and served["front_cpu_ms"] >= 0
@@ -389,7 +397,7 @@ def test_the_raw_server_gets_rollgens_engine_arguments_as_flags() -> None:
     ]
     (ratio,) = ratios(rows)
     assert ratio["tokens_per_s"] == 0.95 and ratio["server_cpu_ms"] == 1.5
-    assert ratio["serve_vs_submit"] == 95.0 / 99.0
+    assert ratio["serve_vs_submit"] == 95.0 / 99.0 and ratio["serve_vs_streamed_submit"] is None
     assert ratio["plain_tokens_per_s"] is None and ratio["plain_serve_vs_submit"] is None
     rows += [
         {"contestant": "raw vllm serve, not streamed", "in_flight": 8, **row, "server_cpu_ms": 1.0},
@@ -401,8 +409,10 @@ def test_the_raw_server_gets_rollgens_engine_arguments_as_flags() -> None:
             "server_cpu_ms": 1.0,
         },
     ]
+    rows.append({"contestant": "in-process submit, streamed", "in_flight": 8, **row, "tokens_per_s": 76.0})
     (ratio,) = ratios(rows)
     assert ratio["plain_tokens_per_s"] == 1.1 and ratio["plain_serve_vs_submit"] == 110.0 / 99.0
+    assert ratio["serve_vs_streamed_submit"] == 95.0 / 76.0
 
 
 @vllm_only
