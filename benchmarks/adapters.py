@@ -12,6 +12,9 @@ import argparse
 import json
 import statistics
 import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
@@ -33,10 +36,10 @@ COLUMNS = [
     "adapter_ms",
     "mb_per_ms",
     "raw_add_lora_ms",
+    "pack_ms",
+    "link_ms",
     "rank_load_adapter_ms",
-    "rank_add_lora_ms",
-    "rank_build_ms",
-    "rank_add_ms",
+    "rank_write_ms",
     "full_mb",
     "full_ms",
 ]
@@ -93,6 +96,42 @@ def raw_add_lora_ms(model: str, dtype: str, lora: dict[str, Any], folders: list[
     return 1e3 * statistics.median(times[1:] or times)
 
 
+#: The driver's stages of an adapter refit timed by ``driver_stages``.
+DRIVER_STAGES = ("pack_s", "link_s")
+
+
+@contextmanager
+def driver_stages(times: dict[str, float]) -> Iterator[None]:
+    """Time, within an adapter refit in this process, rollgen's packing of the adapter into its
+    bucket (``pack_s``: a copy and the finite check) and the Ray link's delivery of it to the
+    engines (``link_s``, ``RayLink.apply_adapter``: the kept copy, the Ray call, the engine's
+    RPC, the ranks' load), each synchronised: the two functions are wrapped for the benchmark
+    only."""
+    import rollgen.refit.updates as updates
+    from rollgen.distributed.refit_link import RayLink
+
+    originals = (updates.pack_bucket, RayLink.apply_adapter)
+
+    def wrapped(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            begin = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                times[name] = time.perf_counter() - begin
+
+        return call
+
+    updates.pack_bucket = wrapped("pack_s", updates.pack_bucket)  # type: ignore[assignment]
+    RayLink.apply_adapter = wrapped("link_s", RayLink.apply_adapter)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        updates.pack_bucket, RayLink.apply_adapter = originals  # type: ignore[method-assign]
+
+
 def measure(args: argparse.Namespace, rank: int, model: str) -> dict[str, Any]:
     dummy = args.shape == "1.5b"
     cfg = config(args.backend, model, args.dtype, rank, dummy)
@@ -105,9 +144,12 @@ def measure(args: argparse.Namespace, rank: int, model: str) -> dict[str, Any]:
         ]
         times, stages = [], []
         for adapter in adapters:
-            times.append(timed(partial(gen.refit, adapter, target="adapter")))
+            driver: dict[str, float] = {}
+            with driver_stages(driver):
+                times.append(timed(partial(gen.refit, adapter, target="adapter")))
             if args.backend == "vllm":  # where the rank's share went (benchmarks.vllm_ext)
-                stages.append(cast(Any, gen).collective_rpc("bench_last_adapter")[0][0])
+                driver.update(cast(Any, gen).collective_rpc("bench_last_adapter")[0][0])
+            stages.append(driver)
         weights = random_state(gen.weight_spec, device)
         gen.refit(weights)
         full = [timed(lambda: gen.refit(weights)) for _ in range(args.repeats)]
@@ -127,10 +169,10 @@ def measure(args: argparse.Namespace, rank: int, model: str) -> dict[str, Any]:
         "full_ms": 1e3 * statistics.median(full),
         "raw_add_lora_ms": None,
     }
-    if stages:  # medians over the refits after the first, ms
-        later = stages[1:] or stages
-        for key in later[0]:
-            row[f"rank_{key[:-2]}_ms"] = 1e3 * statistics.median(s[key] for s in later)
+    later = stages[1:] or stages  # medians over the refits after the first, ms
+    for key in later[0]:
+        name = key[:-2] if key in DRIVER_STAGES else f"rank_{key[:-2]}"
+        row[f"{name}_ms"] = 1e3 * statistics.median(s[key] for s in later)
     if args.backend == "vllm" and args.raw:
         with tempfile.TemporaryDirectory() as tmp:
             folders = [Path(tmp) / str(i) for i in range(args.repeats + 1)]

@@ -59,41 +59,19 @@ class BenchWorkerExtension(RollgenWorkerExtension):
         self.bench_adapter["load_adapter_s"] = time.perf_counter() - start
         return answer
 
-    def rollgen_add_lora(self, version: int, tensors: dict[str, torch.Tensor], setup: dict[str, Any]) -> None:
-        """rollgen's, with vLLM's two steps in it timed: building the LoRA from tensors
-        (``LoRAModel.from_lora_tensors``) and adding it to the rank's LoRA manager."""
-        from vllm.lora.lora_model import LoRAModel
-
-        adapters = self.model_runner.lora_manager._adapter_manager
-        times: dict[str, float] = {}
-
-        def timed(name: str, fn: Any) -> Any:
-            def call(*args: Any, **kwargs: Any) -> Any:
-                begin = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    _synchronize()
-                    times[name] = time.perf_counter() - begin
-
-            return call
-
-        build = LoRAModel.__dict__["from_lora_tensors"]  # the classmethod itself, put back after
-        LoRAModel.from_lora_tensors = timed("build_s", LoRAModel.from_lora_tensors)  # type: ignore[method-assign]
-        adapters.add_adapter = timed("add_s", adapters.add_adapter)
+    def rollgen_write_adapter(
+        self, version: int, named: list[tuple[str, torch.Tensor]], setup: dict[str, Any]
+    ) -> None:
         start = time.perf_counter()
-        try:
-            super().rollgen_add_lora(version, tensors, setup)
-        finally:
-            LoRAModel.from_lora_tensors = build  # type: ignore[method-assign]
-            del adapters.add_adapter
-        self.bench_adapter.update(add_lora_s=time.perf_counter() - start, **times)
+        super().rollgen_write_adapter(version, named, setup)
+        _synchronize()
+        self.bench_adapter["write_s"] = time.perf_counter() - start
 
     def bench_last_adapter(self) -> dict[str, Any]:
         """Where this rank's last adapter load went: the whole ``rollgen_load_adapter``
-        (``load_adapter_s``: unpickling, the host copy, ``rollgen_add_lora``), ``rollgen_add_lora``
-        (``add_lora_s``: the copy vLLM may scale, the build, the add), vLLM's build of the LoRA
-        (``build_s``) and its add (``add_s``), seconds, synchronised."""
+        (``load_adapter_s``: unpickling and mapping the bucket, the slot write, a kept copy
+        where the engine reloads) and the write into the LoRA slots (``write_s``), seconds,
+        synchronised."""
         return dict(self.bench_adapter)
 
     def bench_kept_plan(self, repeats: int = 5) -> dict[str, Any]:

@@ -73,7 +73,7 @@ class RayLink:
             else None
         )
         self._in_place = InPlaceSources() if self._staging is not None and in_place else None
-        #: A host copy of each adapter version the engines hold (what a replacement is sent).
+        #: A copy of each adapter version the engines hold (what a replacement is sent).
         self._adapters: dict[int, Named] = {}
         replicas.listen(self)
 
@@ -158,8 +158,9 @@ class RayLink:
 
     def apply_adapter(self, version: int, bucket: WeightBucket) -> None:
         """Every replica in service loads the adapter (through its actor, its own pickle)
-        before this returns; a host copy is kept for a replacement (``adopt``)."""
-        kept = bucket.host_copy()
+        before this returns; a copy is kept for a replacement (``adopt``), on the device the
+        adapter was packed on (the trainer's GPU holds one per version held)."""
+        kept = bucket.copied()
         args = [(version, self._pickled(bucket, i)) for i in range(len(self.replicas))]
         refs, names = self.replicas.submit(EngineWorker.load_adapter, args)
         try:

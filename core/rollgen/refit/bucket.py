@@ -89,11 +89,11 @@ class WeightBucket:
         tensors = self.via.unpack(self, device)
         return [(m.name, t) for m, t in zip(self.metas, tensors, strict=True)]
 
-    def host_copy(self) -> list[tuple[str, torch.Tensor]]:
-        """The named tensors copied to host memory, in the process that packed this bucket or
-        received it."""
+    def copied(self) -> list[tuple[str, torch.Tensor]]:
+        """The named tensors copied where they are (a GPU bucket's on its GPU), in the process
+        that packed this bucket or received it."""
         tensors = self.via.local(self)
-        return [(m.name, t.detach().to("cpu", copy=True)) for m, t in zip(self.metas, tensors, strict=True)]
+        return [(m.name, t.detach().clone()) for m, t in zip(self.metas, tensors, strict=True)]
 
 
 def as_buckets(buckets: Any) -> list[WeightBucket]:

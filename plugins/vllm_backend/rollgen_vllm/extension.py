@@ -5,9 +5,9 @@ its methods are then reachable through ``VllmGeneration.collective_rpc``. A subc
 ``rollgen_unpack`` and ``rollgen_load`` (the two steps of a refit on each rank, over the RPC
 and over the rank's refit channel alike).
 
-Adapter versions are vLLM LoRAs built from tensors (no folder on disk): ``LoRAModel.from_lora_tensors``
-added to the rank's LoRA manager as vLLM adds its warm-up LoRAs (``WorkerLoRAManager.add_dummy_lora``),
-so a request naming the version's ``lora_int_id`` finds it loaded and vLLM never reads its path."""
+Adapter versions are written from the refit's tensors straight into vLLM's LoRA slots
+(``rollgen_vllm.lora_slots``: no folder on disk, no host copy), so a request naming the
+version's ``lora_int_id`` finds it loaded and vLLM never reads its path."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from rollgen.refit.checks import nonfinite
 from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, receive
 from rollgen_vllm import logs
 from rollgen_vllm.load_plan import LoadPlans, LoadWay, bound_parameters
+from rollgen_vllm.lora_slots import LoraSlots
 from rollgen_vllm.rpc_errors import returns_errors
 
 logger = logging.getLogger(__name__)
@@ -97,59 +98,48 @@ class RollgenWorkerExtension:
         return int(getattr(self, "rank", 0))
 
     @property
-    def rollgen_adapters(self) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]]:
-        """The adapter versions this rank holds: their tensors and PEFT setup (vLLM 0.32 forgets
-        its LoRAs when it reloads the model's weights: they are added again)."""
-        held: dict[int, tuple[dict[str, torch.Tensor], dict[str, Any]]] | None = getattr(
+    def rollgen_adapters(self) -> dict[int, tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]]:
+        """Copies of the adapter versions this rank holds, with their PEFT setup, where a refit
+        of the weights reloads them (``rollgen_reloads``: vLLM 0.32 forgets its LoRAs then, and
+        they are written again); empty elsewhere (the slots are the only copy)."""
+        held: dict[int, tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]] | None = getattr(
             self, "_rollgen_adapters", None
         )
         if held is None:
             held = self._rollgen_adapters = {}
         return held
 
+    @property
+    def rollgen_lora_slots(self) -> LoraSlots:
+        """This rank's writer of adapter versions into vLLM's LoRA slots."""
+        slots: LoraSlots | None = getattr(self, "_rollgen_lora_slots", None)
+        if slots is None:
+            slots = self._rollgen_lora_slots = LoraSlots(self.model_runner.lora_manager)
+        return slots
+
     @returns_errors
     def rollgen_load_adapter(self, version: int, per_rank: list[bytes], setup: dict[str, Any]) -> None:
         """Hold the pickled adapter bucket ``per_rank[rank]`` (PEFT's names) of PEFT setup
         ``setup`` (``r``, ``lora_alpha``, ``target_modules``) as the LoRA whose ``lora_int_id`` is
         ``version`` (loaded again: replaced)."""
-        bucket = pickle.loads(per_rank[self.rollgen_rank]).resolve()
-        # host copies (vLLM builds its LoRAs on the host): the bucket's memory is the sender's
-        tensors = {name: t.to("cpu", copy=True) for name, t in bucket.unpack()}
-        self.rollgen_add_lora(version, tensors, setup)
-        self.rollgen_adapters[version] = (tensors, setup)
+        named = pickle.loads(per_rank[self.rollgen_rank]).resolve().unpack()
+        self.rollgen_write_adapter(version, named, setup)
+        if self.rollgen_reloads:  # the bucket's memory is the sender's
+            self.rollgen_adapters[version] = ([(n, t.clone()) for n, t in named], setup)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the sender frees the bucket once this returns
 
     def rollgen_drop_adapter(self, version: int) -> None:
         """Free the LoRA of adapter ``version``."""
         self.rollgen_adapters.pop(version, None)
         self.model_runner.lora_manager.remove_adapter(version)
 
-    def rollgen_add_lora(self, version: int, tensors: dict[str, torch.Tensor], setup: dict[str, Any]) -> None:
-        """Build the vLLM LoRA of ``tensors`` as ``WorkerLoRAManager._load_adapter`` does from a
-        folder, and add it to this rank's LoRA manager (one of the same id is replaced)."""
-        from vllm.lora.lora_model import LoRAModel
-        from vllm.lora.peft_helper import PEFTHelper
-
-        manager = self.model_runner.lora_manager
-        adapters = manager._adapter_manager
-        model = adapters.model
-        try:
-            helper = PEFTHelper.from_dict(setup)
-            helper.validate_legal(manager.lora_config)
-            lora = LoRAModel.from_lora_tensors(
-                lora_model_id=version,
-                # copies: vLLM scales lora_B in place as it adds the LoRA
-                tensors={name: t.clone() for name, t in tensors.items()},
-                peft_helper=helper,
-                device="cpu",
-                dtype=manager.lora_config.lora_dtype,
-                model_vocab_size=manager.vocab_size,
-                weights_mapper=lora_name_mapper(model),
-                skip_prefixes=getattr(model, "lora_skip_prefixes", None),
-            )
-            adapters.remove_adapter(version)
-            adapters.add_adapter(lora)
-        except (ValueError, RuntimeError, KeyError) as exc:
-            raise RefitError(f"vLLM did not take adapter version {version}: {exc}") from None
+    def rollgen_write_adapter(
+        self, version: int, named: list[tuple[str, torch.Tensor]], setup: dict[str, Any]
+    ) -> None:
+        """Write ``named`` into a free LoRA slot as adapter ``version`` (``LoraSlots.write``)."""
+        rank = int(setup["r"])
+        self.rollgen_lora_slots.write(version, named, rank, float(setup["lora_alpha"]) / rank)
 
     @returns_errors
     def rollgen_join_weight_sync(self, spec: bytes, first_rank: int) -> None:
@@ -249,9 +239,9 @@ class RollgenWorkerExtension:
             check_scales(self.rollgen_scaled)
         if self.rollgen_adapters:
             kept = self.model_runner.lora_manager.list_adapters()
-            for version, (tensors, setup) in self.rollgen_adapters.items():
+            for version, (named, setup) in self.rollgen_adapters.items():
                 if version not in kept:
-                    self.rollgen_add_lora(version, tensors, setup)
+                    self.rollgen_write_adapter(version, named, setup)
 
 
 #: Where vLLM's quantized linear layers keep their scales: ``weight_scale`` (FP8 per tensor or
@@ -296,19 +286,6 @@ def check_extension(path: str) -> None:
         raise ConfigError(f"vllm_kwargs.worker_extension_cls {path!r} cannot be imported: {exc}") from None
     if not (isinstance(cls, type) and issubclass(cls, RollgenWorkerExtension)):
         raise ConfigError(f"vllm_kwargs.worker_extension_cls {path!r} must subclass {EXTENSION}")
-
-
-def lora_name_mapper(model: Any) -> Any:
-    """The model's HF-to-vLLM renames as vLLM's own LoRA loader applies them to adapter names
-    (None: the model has none). vLLM 0.32 calls this ``get_rename_mapper``, 0.26
-    ``get_unstacked_mapper``."""
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    if mapper is None:
-        return None
-    for method in ("get_rename_mapper", "get_unstacked_mapper"):
-        if hasattr(mapper, method):
-            return getattr(mapper, method)()
-    return mapper
 
 
 #: A LoRA layer of vLLM's: the module holding it, its name there, the layer.
