@@ -3,7 +3,7 @@ where they connect, else through the actors; into the staging buffers or, for a 
 trainer's refit of the tensors it refitted last, read in place; and the one rule of what each
 engine is sent (its own pickle: shared-memory handles open once per receiver, and a kept
 layout's bucket carries that engine's own exports). Adapter versions go through the actors, and
-a host copy of each version held is kept, for a replacement engine. It is handed the replicas
+a copy of each version held is kept where it was packed, for a replacement engine. It is handed the replicas
 (``rollgen.distributed.replicas``) and calls only down to them; it listens for a replica that
 leaves service (its channels close)."""
 
