@@ -18,7 +18,7 @@ from rollgen.refit.checks import (
     check_source,
     require_finite,
 )
-from rollgen.refit.meta import TensorMeta, Transport, module_group
+from rollgen.refit.meta import TensorMeta, Transport, flat_offsets, flatten, module_group, unflatten
 from rollgen.refit.transports import BucketTransport, transport_named
 from rollgen.refit.transports.cuda_ipc import InPlaceViews, IpcHandle
 
@@ -90,10 +90,14 @@ class WeightBucket:
         return [(m.name, t) for m, t in zip(self.metas, tensors, strict=True)]
 
     def copied(self) -> list[tuple[str, torch.Tensor]]:
-        """The named tensors copied where they are (a GPU bucket's on its GPU), in the process
-        that packed this bucket or received it."""
+        """The named tensors copied where they are (a GPU bucket's on its GPU: one buffer, one
+        fused copy), in the process that packed this bucket or received it."""
         tensors = self.via.local(self)
-        return [(m.name, t.detach().clone()) for m, t in zip(self.metas, tensors, strict=True)]
+        if not tensors:
+            return []
+        offsets = flat_offsets(m.nbytes for m in self.metas)
+        flat = flatten(tensors, self.metas, offsets, tensors[0].device)
+        return [(m.name, t) for m, t in zip(self.metas, unflatten(flat, self.metas, offsets), strict=True)]
 
 
 def as_buckets(buckets: Any) -> list[WeightBucket]:
