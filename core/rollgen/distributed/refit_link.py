@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import ray
 import torch
@@ -156,12 +156,15 @@ class RayLink:
             if bucket.layout:  # after a failure, the next refit writes what others may still read
                 ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
 
-    def apply_adapter(self, version: int, bucket: WeightBucket) -> None:
-        """Every replica in service loads the adapter (through its actor, its own pickle)
-        before this returns; a copy is kept for a replacement (``adopt``), on the device the
-        adapter was packed on (the trainer's GPU holds one per version held)."""
+    def apply_adapter(self, version: int, bucket: WeightBucket, drop: Sequence[int] = ()) -> None:
+        """Every replica in service frees the versions ``drop`` and loads the adapter (one call
+        to its actor, its own pickle) before this returns; a copy is kept for a replacement
+        (``adopt``), on the device the adapter was packed on (the trainer's GPU holds one per
+        version held)."""
+        for old in drop:
+            self._adapters.pop(old, None)
         kept = bucket.copied()
-        args = [(version, self._pickled(bucket, i)) for i in range(len(self.replicas))]
+        args = [(version, self._pickled(bucket, i), tuple(drop)) for i in range(len(self.replicas))]
         refs, names = self.replicas.submit(EngineWorker.load_adapter, args)
         try:
             self.group.get(refs, names=names)

@@ -189,14 +189,20 @@ class EngineWorker(ABC):
         if reset_prefix:
             self._reset_prefix_cache()
 
-    def load_adapter(self, version: int, data: bytes) -> None:
-        """Hold the pickled, validated adapter bucket ``data`` (the whole adapter; this
-        worker's own pickle) as adapter ``version``; samples whose ``SampleParams.adapter`` is
-        ``version`` decode with it. Samples may be running (a ``keep`` update leaves them on
-        their version): it is loaded between two engine steps."""
+    def load_adapter(self, version: int, data: bytes, drop: Sequence[int] = ()) -> None:
+        """Free adapter versions ``drop``, then hold the pickled, validated adapter bucket
+        ``data`` (the whole adapter; this worker's own pickle) as adapter ``version``; samples
+        whose ``SampleParams.adapter`` is ``version`` decode with it. Samples may be running (a
+        ``keep`` update leaves them on their version): both happen between two engine steps."""
         self._require_lora()
         bucket = pickle.loads(data).resolve()
-        self._streaming.call(lambda: self._load_adapter_bucket(version, bucket))
+
+        def load() -> None:
+            for old in drop:
+                self._drop_adapter(old)
+            self._load_adapter_bucket(version, bucket)
+
+        self._streaming.call(load)
 
     def drop_adapter(self, version: int) -> None:
         """Free adapter ``version`` (no sample decodes with it any more), between two steps."""

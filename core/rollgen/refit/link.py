@@ -6,7 +6,7 @@ weight-sync group, release what refits keep), the facts it knows of the engines
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -80,9 +80,10 @@ class EngineLink(Protocol):
         """Load one validated bucket; then drop every cached prefix, with ``reset_prefix``."""
         ...
 
-    def apply_adapter(self, version: int, bucket: WeightBucket) -> None:
-        """Load a validated adapter (the whole of it, one bucket) as adapter ``version`` on every
-        engine; none serves it before this returns."""
+    def apply_adapter(self, version: int, bucket: WeightBucket, drop: Sequence[int] = ()) -> None:
+        """Free adapter versions ``drop``, then load a validated adapter (the whole of it, one
+        bucket) as adapter ``version``, on every engine (one call to each for both); none serves
+        it before this returns."""
         ...
 
     def drop_adapter(self, version: int) -> None:
@@ -152,9 +153,11 @@ class InProcessLink:
         if reset_prefix:
             self._reset_prefix()
 
-    def apply_adapter(self, version: int, bucket: WeightBucket) -> None:
+    def apply_adapter(self, version: int, bucket: WeightBucket, drop: Sequence[int] = ()) -> None:
         if self._load_adapter is None:
             raise RefitError("this engine was linked without adapters (InProcessLink(..., load_adapter=))")
+        for old in drop:
+            self.drop_adapter(old)
         self._load_adapter(version, bucket.unpack())
 
     def drop_adapter(self, version: int) -> None:

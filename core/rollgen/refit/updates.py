@@ -262,12 +262,12 @@ class WeightUpdates:
         # both callers checked the adapter against adapter_spec, which needs the config's lora
         versions = cast(AdapterVersions, self.adapters)
         with streams.update(mode, fresh=lambda: self.stale is None, interrupt=mode != "keep"):
-            for old in versions.to_drop(streams.adapters_in_use()):
-                self._surviving(functools.partial(link.drop_adapter, old))
+            dropped = versions.to_drop(streams.adapters_in_use())
+            for old in dropped:
                 versions.held.remove(old)
             versions.last += 1
-            try:
-                self._surviving(functools.partial(link.apply_adapter, versions.last, bucket))
+            try:  # the oldest version freed in the same call to each engine
+                self._surviving(functools.partial(link.apply_adapter, versions.last, bucket, dropped))
             except BaseException:
                 self._drop_quietly(versions.last)
                 raise
