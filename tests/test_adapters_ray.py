@@ -174,3 +174,29 @@ def test_vllm_a_weight_refit_keeps_the_adapter_served(vllm_gen, batch: dict, mod
     reference = load_reference_model(model_dir, torch.float32)
     reference.load_state_dict(merged(policy.state_dict(), list(adapter.items()), spec))
     check_against_reference(reference.requires_grad_(False), out, batch, "float32")
+
+
+def test_vllm_an_adapter_refit_that_fails_before_the_engines_leaves_a_slot_free(
+    vllm_gen, batch: dict, model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every slot held, a refit frees the oldest version in the call that loads the new
+    one; where it fails before that call reaches the engines (here a stand-in: the driver's
+    copy of the adapter raises, as an out-of-memory would), the oldest is freed all the same,
+    or the next refit finds no free LoRA slot."""
+    from rollgen.refit.bucket import WeightBucket
+
+    spec = vllm_gen.updates.adapter_spec
+    vllm_gen.refit(load_reference_model(model_dir, torch.float32).state_dict())  # the model's own weights
+    for seed in (40, 41):  # both slots held
+        vllm_gen.refit(random_adapter(spec, seed), target="adapter")
+
+    def fails(self: WeightBucket) -> list:
+        raise RuntimeError("stand-in: the driver's copy of the adapter failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(WeightBucket, "copied", fails)
+        with pytest.raises(RuntimeError, match="stand-in"):
+            vllm_gen.refit(random_adapter(spec, 42), target="adapter")
+    adapter = random_adapter(spec, 43)
+    vllm_gen.refit(adapter, target="adapter")
+    follows(vllm_gen, batch, model_dir, adapter)

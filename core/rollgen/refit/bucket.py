@@ -90,13 +90,15 @@ class WeightBucket:
         return [(m.name, t) for m, t in zip(self.metas, tensors, strict=True)]
 
     def copied(self) -> list[tuple[str, torch.Tensor]]:
-        """The named tensors copied where they are (a GPU bucket's on its GPU: one buffer, one
-        fused copy), in the process that packed this bucket or received it."""
+        """The named tensors copied into one buffer (one fused copy), in the process that
+        packed this bucket (where they are: a GPU bucket's on its GPU) or received it (in host
+        memory: the GPU is the sender's)."""
         tensors = self.via.local(self)
         if not tensors:
             return []
         offsets = flat_offsets(m.nbytes for m in self.metas)
-        flat = flatten(tensors, self.metas, offsets, tensors[0].device)
+        device = tensors[0].device if self.held else torch.device("cpu")
+        flat = flatten(tensors, self.metas, offsets, device)
         return [(m.name, t) for m, t in zip(self.metas, unflatten(flat, self.metas, offsets), strict=True)]
 
 

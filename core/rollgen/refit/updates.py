@@ -257,7 +257,7 @@ class WeightUpdates:
         """Load ``bucket`` as a new adapter version on every engine (where one dies and the
         others survive it, on those once more); samples started from then on decode with it.
         Under ``keep`` samples in flight finish on their version (it stays held); a version
-        that failed to load on some engine is dropped from all."""
+        that failed to load on some engine is dropped from all, as is the one freed for it."""
         link, streams = self._engines, self._streams
         # both callers checked the adapter against adapter_spec, which needs the config's lora
         versions = cast(AdapterVersions, self.adapters)
@@ -268,15 +268,17 @@ class WeightUpdates:
             versions.last += 1
             try:  # the oldest version freed in the same call to each engine
                 self._surviving(functools.partial(link.apply_adapter, versions.last, bucket, dropped))
-            except BaseException:
-                self._drop_quietly(versions.last)
+            except BaseException:  # those dropped are gone from rollgen's count: gone from every engine
+                for version in (*dropped, versions.last):
+                    self._drop_quietly(version)
                 raise
             versions.added(versions.last)
             streams.adapter = versions.last
         self._updated((), partial=True)  # the model's weights are as they were
 
     def _drop_quietly(self, version: int) -> None:
-        """Drop an adapter version that failed to load (from the engines that loaded it)."""
+        """Drop an adapter version from every engine after a failed load (it failed to load,
+        or was to be freed by the call that failed)."""
         try:
             self._engines.drop_adapter(version)
         except Exception as exc:  # noqa: BLE001 - the load's error is the one raised

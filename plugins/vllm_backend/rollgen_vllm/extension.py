@@ -6,7 +6,7 @@ its methods are then reachable through ``VllmGeneration.collective_rpc``. A subc
 and over the rank's refit channel alike).
 
 Adapter versions are written from the refit's tensors straight into vLLM's LoRA slots
-(``rollgen_vllm.lora_slots``: no folder on disk, no host copy), so a request naming the
+(``rollgen_vllm.lora_slots``: no folder on disk, no LoRA built on the host), so a request naming the
 version's ``lora_int_id`` finds it loaded and vLLM never reads its path."""
 
 from __future__ import annotations
@@ -123,11 +123,13 @@ class RollgenWorkerExtension:
         ``setup`` (``r``, ``lora_alpha``, ``target_modules``) as the LoRA whose ``lora_int_id`` is
         ``version`` (loaded again: replaced)."""
         named = pickle.loads(per_rank[self.rollgen_rank]).resolve().unpack()
-        self.rollgen_write_adapter(version, named, setup)
-        if self.rollgen_reloads:  # the bucket's memory is the sender's
-            self.rollgen_adapters[version] = ([(n, t.clone()) for n, t in named], setup)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the sender frees the bucket once this returns
+        try:
+            self.rollgen_write_adapter(version, named, setup)
+            if self.rollgen_reloads:  # the bucket's memory is the sender's
+                self.rollgen_adapters[version] = ([(n, t.clone()) for n, t in named], setup)
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the sender frees the bucket once this returns
 
     def rollgen_drop_adapter(self, version: int) -> None:
         """Free the LoRA of adapter ``version``."""
@@ -137,9 +139,8 @@ class RollgenWorkerExtension:
     def rollgen_write_adapter(
         self, version: int, named: list[tuple[str, torch.Tensor]], setup: dict[str, Any]
     ) -> None:
-        """Write ``named`` into a free LoRA slot as adapter ``version`` (``LoraSlots.write``)."""
-        rank = int(setup["r"])
-        self.rollgen_lora_slots.write(version, named, rank, float(setup["lora_alpha"]) / rank)
+        """Hold ``named`` as adapter ``version`` in a LoRA slot (``LoraSlots.write``)."""
+        self.rollgen_lora_slots.write(version, named, setup)
 
     @returns_errors
     def rollgen_join_weight_sync(self, spec: bytes, first_rank: int) -> None:

@@ -1,6 +1,6 @@
 """Adapter versions written straight into vLLM's LoRA slots.
 
-vLLM keeps each active LoRA in a slot of every LoRA layer's stacked GPU buffers
+vLLM keeps each active LoRA in a slot of every LoRA layer's stacked buffers
 (``lora_a_stacked[i][slot]``, ``lora_b_stacked[i][slot]``), copied there from a LoRA model it
 first builds in host memory, module by module. rollgen writes a new adapter version from the
 refit's tensors into a free slot in three fused passes (zero the slot, copy A and B, scale B by
@@ -8,13 +8,15 @@ refit's tensors into a free slot in three fused passes (zero the slot, copy A an
 active in that slot, so a request naming its ``lora_int_id`` decodes with it and vLLM copies
 nothing. vLLM holds no other copy of such a version: rollgen never lets vLLM evict one (the
 engine has as many slots as ``lora.max_versions``; rollgen frees a version before it adds one),
-and a version vLLM tried to bring back into a slot raises rather than serving the model alone."""
+and a version vLLM tried to bring back into a slot raises rather than serving the model alone.
+This covers plain linear LoRA layers (every projection of a dense model); an adapter of any
+other layer goes vLLM's own way (``LoraSlots``)."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -62,9 +64,13 @@ Target = tuple[str, int, bool]
 
 class LoraSlots:
     """Writes adapter versions of PEFT-named tensors into the LoRA slots of one vLLM rank
-    (``manager``: its ``model_runner.lora_manager``)."""
+    (``manager``: its ``model_runner.lora_manager``). An adapter with a tensor for a layer that
+    is not a plain linear LoRA layer (vLLM's ``lm_head``, MoE experts, layers whose ``set_lora``
+    splits or expands the parts) or for no LoRA layer goes vLLM's own way instead: a LoRA built
+    from copies of its tensors on this rank's device, added and brought into a slot by vLLM."""
 
     def __init__(self, manager: Any) -> None:
+        self.manager = manager
         self.adapters = manager._adapter_manager
         self.layers: dict[str, Any] = dict(self.adapters.modules)
         self.mapper = lora_name_mapper(self.adapters.model)
@@ -72,41 +78,35 @@ class LoraSlots:
         self.parts = {
             part: (packed, i)
             for packed, parts in self.adapters.packed_modules.items()
+            if len(parts) == getattr(self.layers.get(packed), "n_slices", None)
             for i, part in enumerate(parts)
         }
-        self.targets: dict[str, Target] = {}
+        self.targets: dict[str, Target | None] = {}
 
-    def target(self, name: str) -> Target:
-        """Where the adapter tensor ``name`` (PEFT's) is written.
-
-        Raises:
-            RefitError: the engine has no LoRA layer for it."""
+    def target(self, name: str) -> Target | None:
+        """Where the adapter tensor ``name`` (PEFT's) is written; None: not into a plain
+        linear LoRA layer's slot."""
         if name not in self.targets:
             from vllm.lora.utils import parse_fine_tuned_lora_name
 
             module, is_a = parse_fine_tuned_lora_name(name, self.mapper)
-            if module in self.layers:
-                self.targets[name] = (module, 0, is_a)
-            elif module in self.parts:
-                self.targets[name] = (*self.parts[module], is_a)
-            else:
-                raise RefitError(
-                    f"adapter tensor {name}: the engine has no LoRA layer for {module}; the config's "
-                    "lora.target_modules must name the layers the engine was started with"
-                )
+            found = (module, 0) if module in self.layers else self.parts.get(module)
+            self.targets[name] = (*found, is_a) if found and _plain(self.layers[found[0]]) else None
         return self.targets[name]
 
-    def write(
-        self, version: int, named: Sequence[tuple[str, torch.Tensor]], rank: int, scaling: float
-    ) -> None:
-        """Hold ``named`` (a whole adapter of ``rank``, PEFT's names) as adapter ``version``,
-        active in a free slot (one of the same id is replaced). Asynchronous on a GPU: the
-        caller synchronizes before the tensors may change.
+    def write(self, version: int, named: Sequence[tuple[str, torch.Tensor]], setup: dict[str, Any]) -> None:
+        """Hold ``named`` (a whole adapter of PEFT setup ``setup``, PEFT's names) as adapter
+        ``version``, active in a slot (one of the same id is replaced first). Asynchronous on a
+        GPU: the caller synchronizes before the tensors may change.
 
         Raises:
-            RefitError: no free slot, or tensors the slots cannot take (nothing is applied)."""
+            RefitError: no free slot, or tensors the engine cannot take (the other versions
+                serve as they did)."""
         adapters = self.adapters
         adapters.remove_adapter(version)
+        if any(self.target(name) is None for name, _ in named):
+            self._add_built(version, named, setup)
+            return
         try:
             index = adapters.lora_index_to_id.index(None)
         except ValueError:
@@ -114,9 +114,10 @@ class LoraSlots:
                 f"vLLM has no free LoRA slot for adapter version {version} "
                 f"(slots: {adapters.lora_index_to_id})"
             ) from None
+        rank = int(setup["r"])
         try:
-            self._copy(index, named, scaling)
-        except (RuntimeError, ValueError, IndexError) as exc:
+            self._copy(index, named, float(setup["lora_alpha"]) / rank)
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:
             for layer in self.layers.values():
                 layer.reset_lora(index)
             raise RefitError(f"vLLM's LoRA slots did not take adapter version {version}: {exc}") from None
@@ -126,17 +127,18 @@ class LoraSlots:
         adapters._active_adapters[version] = None
 
     def _copy(self, index: int, named: Sequence[tuple[str, torch.Tensor]], scaling: float) -> None:
-        """Zero slot ``index`` of every LoRA layer, then copy ``named`` into it and scale its B."""
+        """Zero slot ``index`` of each layer ``named`` adapts (reset the others' as vLLM does),
+        then copy ``named`` into it and scale its B: three fused passes."""
         grouped: dict[str, tuple[list[torch.Tensor | None], list[torch.Tensor | None]]] = {}
         for name, tensor in named:
-            module, part, is_a = self.target(name)
+            module, part, is_a = cast(Target, self.target(name))
             slices = self.layers[module].n_slices
             pair = grouped.setdefault(module, ([None] * slices, [None] * slices))
             pair[0 if is_a else 1][part] = tensor
         zero, dsts, srcs, scaled = [], [], [], []
         for module, layer in self.layers.items():
             if module not in grouped:
-                layer.reset_lora(index)  # a layer the adapter leaves alone (vLLM resets it too)
+                layer.reset_lora(index)  # a layer the adapter leaves alone
                 continue
             zero += [stacked[index] for stacked in (*layer.lora_a_stacked, *layer.lora_b_stacked)]
             a, b = grouped[module]
@@ -155,6 +157,44 @@ class LoraSlots:
         torch._foreach_copy_(dsts, srcs)
         if scaling != 1.0:
             torch._foreach_mul_(scaled, scaling)
+
+    def _add_built(
+        self, version: int, named: Sequence[tuple[str, torch.Tensor]], setup: dict[str, Any]
+    ) -> None:
+        """vLLM's own way: build the LoRA of copies of ``named`` (vLLM scales B in place and
+        keeps them) on this rank's device, add it, and bring it into a slot."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager, adapters = self.manager, self.adapters
+        try:
+            helper = PEFTHelper.from_dict(setup)
+            helper.validate_legal(manager.lora_config)
+            lora = LoRAModel.from_lora_tensors(
+                lora_model_id=version,
+                tensors={name: t.clone() for name, t in named},
+                peft_helper=helper,
+                device=str(named[0][1].device),
+                dtype=manager.lora_config.lora_dtype,
+                model_vocab_size=manager.vocab_size,
+                weights_mapper=self.mapper,
+                skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None),
+            )
+            adapters.add_adapter(lora)
+            adapters.activate_adapter(version)
+        except (ValueError, RuntimeError, KeyError) as exc:
+            adapters.remove_adapter(version)
+            raise RefitError(f"vLLM did not take adapter version {version}: {exc}") from None
+
+
+def _plain(layer: Any) -> bool:
+    """Whether ``layer`` is a linear LoRA layer whose ``set_lora`` copies each part's A and B
+    into its own slice (what ``LoraSlots._copy`` does in its place)."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    from vllm.lora.layers.column_parallel_linear import MergedColumnParallelLinearWithLoRA
+
+    plain = (BaseLinearLayerWithLoRA.set_lora, MergedColumnParallelLinearWithLoRA.set_lora)
+    return isinstance(layer, BaseLinearLayerWithLoRA) and type(layer).set_lora in plain
 
 
 def _sliced(
