@@ -12,7 +12,6 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -22,7 +21,7 @@ from typing import Any, cast
 import torch
 
 import rollgen
-from benchmarks.common import machine, print_table, qwen25_1p5b_dir, timed, write_results
+from benchmarks.common import machine, print_table, qwen25_1p5b_dir, timed, timed_call, write_results
 from benchmarks.refit import random_state
 from benchmarks.vllm_ext import EXTENSION
 from rollgen.refit.adapters import AdapterSpec
@@ -114,13 +113,8 @@ def driver_stages(times: dict[str, float]) -> Iterator[None]:
 
     def wrapped(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            begin = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
-                times[name] = time.perf_counter() - begin
+            result, times[name] = timed_call(lambda: fn(*args, **kwargs))
+            return result
 
         return call
 
