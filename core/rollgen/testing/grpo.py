@@ -19,7 +19,7 @@ def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
 def sequence_logprobs(policy: Any, ids: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """The policy's logprob of every token after the first (with gradients), [B, W - 1], for
     right-padded ``ids`` whose rows end at ``ends``."""
-    mask = torch.arange(ids.shape[1]).unsqueeze(0) < ends.unsqueeze(1)
+    mask = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0) < ends.unsqueeze(1)
     logits = policy(input_ids=ids, attention_mask=mask.long()).logits.float()
     return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
