@@ -228,7 +228,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gap-batch", type=int, default=64, help="samples of each step of the gap's loop")
     parser.add_argument("--gap-group", type=int, default=4, help="samples of each prompt (GRPO's group)")
-    parser.add_argument("--gap-steps", type=int, default=5, help="steps of the gap's loop (the last not trained)")
+    parser.add_argument("--gap-steps", type=int, default=5, help="steps of the loop (the last untrained)")
     parser.add_argument("--gap-lr", type=float, default=1e-3, help="the trainer's SGD step size")
     parser.add_argument("--gap-chunk", type=int, default=8, help="samples per trainer forward")
     parser.add_argument("--util", type=float, default=0.5, help="gpu_memory_utilization")

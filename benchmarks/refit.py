@@ -180,13 +180,22 @@ def profile(gen: Any, state: dict[str, torch.Tensor], bucket_mib: int) -> dict[s
 
 def after_generate(gen: Any, state: dict[str, torch.Tensor], batch: Any, repeats: int) -> dict[str, Any]:
     """A refit at the default bucket that follows a generate without a sleep between, as a
-    trainer that does not sleep the engine runs it: rollgen then resets the prefix cache too
-    (``measure``'s refits follow no generate)."""
-    times = []
+    trainer that does not sleep the engine runs it (``measure``'s refits follow no generate):
+    rollgen resets no prefix cache for it where the engines key prefixes by weight version
+    (``versioned_prefixes``: vLLM's), else it resets the cache; and, apart, the engines'
+    prefix-cache reset after a generate (what the versioned prefixes save)."""
+    times, resets = [], []
     for _ in range(repeats):
         gen.generate(batch, greedy=True)
         times.append(timed(partial(gen.refit, state)))
-    return {**bucket_fields(0, state), "refit_after_generate_ms": statistics.median(times) * 1e3}
+        gen.generate(batch, greedy=True)
+        resets.append(timed(gen.updates.link.reset_prefix_cache))
+    return {
+        **bucket_fields(0, state),
+        "versioned_prefixes": gen.updates.link.facts.versioned_prefixes,
+        "refit_after_generate_ms": statistics.median(times) * 1e3,
+        "prefix_reset_ms": statistics.median(resets) * 1e3,
+    }
 
 
 def breakdown(gen: Any, states: list[dict[str, torch.Tensor]], repeats: int, path: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ the stand-ins of ``rollout_standins``."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -116,7 +117,8 @@ def test_update_keep_continues_samples_from_prompt_plus_tokens_under_the_new_ver
     assert set(restarted) == {(5, 6, 7, 90, 91), (8,)}
     a2, b2 = restarted[(5, 6, 7, 90, 91)], restarted[(8,)]
     assert a2.params.max_new_tokens == 6 and b2.params.max_new_tokens == 8
-    assert a2.params == sample_params(6)
+    # continued under the new version, which keys an engine's cached prefixes
+    assert a2.params == dataclasses.replace(sample_params(6), weight_version=1)
     assert {a2.key, b2.key}.isdisjoint({a.key, b.key}), "a continuation is reported under a new key"
 
     backend.finish(a, (99,))  # a late report under the old key is ignored

@@ -210,6 +210,26 @@ def test_refit_over_a_weight_sync_group_crosses_a_separate_engine_core_process(
     assert torch.equal(after["output_ids"], before["output_ids"])
 
 
+def test_a_refit_after_a_generate_resets_no_prefix_cache(dp1, model_dir: str, batch: dict) -> None:
+    """vLLM's prompts are salted with the weight version (its prefix cache keys blocks by the
+    salt), so an update after a generate sends no prefix-cache reset, and the engine still
+    follows the new weights (the suite's ``test_a_long_prompt_follows_a_refit`` holds whole
+    cached blocks of one prompt across a refit)."""
+    assert dp1.updates.link.facts.versioned_prefixes
+    policy = load_reference_model(model_dir)
+    ray_link = dp1.updates.link
+    link = dp1.updates.link = RecordingLink(ray_link)
+    try:
+        dp1.generate(batch)
+        version = dp1.weight_version
+        dp1.refit(policy)
+        assert dp1.weight_version == version + 1
+        assert [c for c in link.calls if c == ("reset",) or (c[0] == "apply" and c[2])] == []
+        assert {p.weight_version for p in dp1.sample_params(batch, greedy=True)} == {version + 1}
+    finally:
+        dp1.updates.link = ray_link
+
+
 def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> None:
     """SIGKILL of the engine-core process of ``dp1`` (multi-process engine core; its Ray actor
     stays up): the worker sees its engine's process end and exits, so the next generate fails

@@ -234,9 +234,12 @@ class BaseGeneration(ABC):
 
     def sample_params(self, batch: Mapping[str, Any], greedy: bool) -> list[SampleParams]:
         """Per-sample settings for a validated batch, as ``generate`` resolves them (the config's,
-        the batch's per-sample values, the context's limit on each budget, the current adapter)."""
-        info, adapter = self.model_info, self._streams.adapter
-        return resolve_sampling(self.cfg, batch, greedy, self.max_model_len, info.eos_token_ids, adapter)
+        the batch's per-sample values, the context's limit on each budget, the current adapter
+        and weight version)."""
+        info, streams = self.model_info, self._streams
+        return resolve_sampling(
+            self.cfg, batch, greedy, self.max_model_len, info.eos_token_ids, streams.adapter, streams.version
+        )
 
     def _hits_stop_string(self, params: SampleParams, tokens: list[int]) -> bool:
         """Whether ``tokens`` (a sample's generated tokens) hold one of its stop strings

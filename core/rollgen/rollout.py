@@ -559,8 +559,8 @@ class Streams:
                 s.versions.pop()
             if not s.versions or s.versions[-1][0] != self.version:
                 s.versions.append((self.version, len(s.token_ids)))
-            if s.params.adapter != self.adapter:
-                s.params = dataclasses.replace(s.params, adapter=self.adapter)
+            if s.params.adapter != self.adapter or s.params.weight_version != self.version:
+                s.params = dataclasses.replace(s.params, adapter=self.adapter, weight_version=self.version)
             s.started = time.monotonic()
             s.progress = []
             self._running[s.key] = s

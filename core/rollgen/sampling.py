@@ -24,6 +24,9 @@ class SampleParams:
     seed: int | None
     #: The adapter version it decodes with (``rollgen.refit.adapters``; None: the model alone).
     adapter: int | None = None
+    #: The weight version it decodes with: an engine whose prefix cache keys each prompt by it
+    #: reuses no prefix computed under other weights (``EngineFacts.versioned_prefixes``).
+    weight_version: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -37,10 +40,11 @@ def resolve_sampling(
     max_model_len: int,
     eos_token_ids: tuple[int, ...] = (),
     adapter: int | None = None,
+    weight_version: int = 0,
 ) -> list[SampleParams]:
     """One SampleParams per sample of ``data``. ``max_new_tokens`` is capped so that prompt plus
     generation fits in ``max_model_len``; the model's ``eos_token_ids`` join the stop ids; every
-    sample decodes with ``adapter``."""
+    sample decodes with ``adapter`` and ``weight_version``."""
     batch = data["input_ids"].shape[0]
     lengths = data["input_lengths"].tolist()
 
@@ -67,6 +71,7 @@ def resolve_sampling(
             stop_token_ids=stop_ids,
             seed=None if seeds[i] is None else int(seeds[i]),
             adapter=adapter,
+            weight_version=weight_version,
         )
         for i in range(batch)
     ]

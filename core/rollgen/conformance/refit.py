@@ -27,6 +27,19 @@ from rollgen.spec import Capability
 from rollgen.testing.faults import Unreadable
 from rollgen.testing.trainer import start_trainer
 
+#: Tokens of the context ``test_a_long_prompt_follows_a_refit`` leaves to generate in.
+LONG_PROMPT_ROOM = 16
+
+
+def long_prompt(tokenizer: Any, length: int) -> dict[str, torch.Tensor]:
+    """One prompt of ``length`` tokens: a count, from 1 on."""
+    ids: list[int] = []
+    n = 1
+    while len(ids) < length:
+        ids += tokenizer(f" {n}", add_special_tokens=False)["input_ids"]
+        n += 1
+    return {"input_ids": torch.tensor([ids[:length]]), "input_lengths": torch.tensor([length])}
+
 
 class RefitTests:
     """Refits of the shared engine, which ends each test on its original weights."""
@@ -64,6 +77,36 @@ class RefitTests:
                 engine.update_weights(list(buckets))
             restored = engine.generate(batch, greedy=True)
             assert_same_generation(request, f"{label}restored", restored, greedy_out)
+
+    @requires("refit")
+    def test_a_long_prompt_follows_a_refit(
+        self,
+        request: pytest.FixtureRequest,
+        engine: Any,
+        caps: frozenset[Capability],
+        references: Callable[[str, str], Any],
+        model_dir: str,
+        other_model_dir: str,
+        tokenizer: Any,
+    ) -> None:
+        """A prompt that fills most of the context, so that an engine's prefix cache holds whole
+        blocks of it (vLLM's are 16 tokens on a GPU, 128 on a CPU), generated before a refit
+        and again after it: the second follows the new weights (no prefix cached under the old
+        ones is reused, whether the engine resets its cache or keys it by weight version), and
+        the first weights give the first output back."""
+        new = references(other_model_dir, "float32")
+        skip_unless(caps, "refit", lambda: engine.refit(new))
+        old = references(model_dir, "float32")
+        long = long_prompt(tokenizer, engine.max_model_len - LONG_PROMPT_ROOM)
+        before = engine.generate(long, greedy=True)
+        engine.refit(new)
+        try:
+            after = engine.generate(long, greedy=True)
+            stats = check_against_reference(new, after, long, "float32")
+            request.node.user_properties += [(f"long_prompt_after_refit_{k}", v) for k, v in stats.items()]
+        finally:
+            engine.refit(old)
+        assert_same_generation(request, "long_prompt_restored", engine.generate(long, greedy=True), before)
 
     @requires("refit")
     def test_bad_refit_rejected(

@@ -80,9 +80,11 @@ class RayLink:
     @property
     def facts(self) -> EngineFacts:
         """The engines' facts now (a replacement engine may run on other GPUs)."""
-        devices = tuple(uuid for r in self.replicas.table for uuid in r.info["devices"])
+        table = self.replicas.table
+        devices = tuple(uuid for r in table for uuid in r.info["devices"])
         sync_ranks = len(self.replicas) * self.ranks_per_engine
-        return EngineFacts(self.transport, devices, self.sync_device, sync_ranks, in_process=False)
+        versioned = all(r.info["versioned_prefixes"] for r in table)
+        return EngineFacts(self.transport, devices, self.sync_device, sync_ranks, False, versioned)
 
     def _open_channels(self) -> list[list[channel.Channel]]:
         """A refit channel to every engine rank, where every engine has them and they connect;

@@ -116,6 +116,9 @@ class EngineWorker(ABC):
     watch_interval_s: ClassVar[float] = 1.0
     #: Ray concurrency groups beside the default one (of one thread): ``poll`` waits in its own.
     concurrency_groups: ClassVar[dict[str, int]] = {"results": 1}
+    #: The engine's prefix cache keys each prompt by ``SampleParams.weight_version`` (updates
+    #: then reset no prefix cache: ``rollgen.refit.EngineFacts.versioned_prefixes``).
+    versioned_prefixes: ClassVar[bool] = False
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
@@ -169,6 +172,7 @@ class EngineWorker(ABC):
             "shared_memory": shared_memory(pids, self._started_at),
             "devices": self._devices() if self.spec.use_gpus else [],
             "capacity": self._capacity(),
+            "versioned_prefixes": self.versioned_prefixes,
             **self._describe(),
         }
 

@@ -29,13 +29,17 @@ class EngineFacts:
         sync_device: where they receive a weight-sync group's broadcasts (NCCL needs a GPU).
         sync_ranks: how many ranks they join a weight-sync group with (every TP rank of every
             replica).
-        in_process: they run in this process (a weight-sync group's sender is then elsewhere)."""
+        in_process: they run in this process (a weight-sync group's sender is then elsewhere).
+        versioned_prefixes: their prefix caches key each prompt by the weight version it is
+            decoded with (``SampleParams.weight_version``): no prefix cached under other weights
+            is reused, so an update resets no prefix cache."""
 
     transport: Transport = "tensors"
     devices: tuple[str, ...] = ()
     sync_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     sync_ranks: int = 1
     in_process: bool = True
+    versioned_prefixes: bool = False
 
 
 class Packing(NamedTuple):

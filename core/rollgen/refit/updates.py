@@ -66,7 +66,8 @@ class WeightUpdates:
         #: Why the engine may hold mixed weights (an update failed part-way), until a complete one.
         self.stale: str | None = None
         #: Whether the engine may hold cached prefixes: a generate ran since the last reset (a
-        #: sleep resets too). An update resets the prefix cache only then.
+        #: sleep resets too). An update resets the prefix cache only then, and only where the
+        #: engines do not key prefixes by weight version (``EngineFacts.versioned_prefixes``).
         self.prefixes_cached = False
         #: A generate returned non-finite logprobs: the KV cache may hold NaNs, which the next
         #: complete update clears.
@@ -307,7 +308,7 @@ class WeightUpdates:
             for bucket in buckets:
                 check_reach(bucket, link.facts.devices)
                 applied += 1
-                last = applied == count and self.prefixes_cached and not self.kv_poisoned
+                last = applied == count and self._resets_prefixes() and not self.kv_poisoned
                 link.apply_bucket(bucket, reset_prefix=last)
                 if last:
                     self.prefixes_cached = False
@@ -488,9 +489,14 @@ class WeightUpdates:
         if self.kv_poisoned and not partial:
             self._engines.clear_kv_cache()
             self.kv_poisoned = self.prefixes_cached = False
-        if self.prefixes_cached:  # a generate may have filled it since the last reset
+        if self._resets_prefixes():
             self._engines.reset_prefix_cache()
             self.prefixes_cached = False
+
+    def _resets_prefixes(self) -> bool:
+        """Whether an update resets the prefix cache: a generate may have filled it since the
+        last reset, and the engines would reuse its prefixes under new weights."""
+        return self.prefixes_cached and not self._engines.facts.versioned_prefixes
 
     def release(self) -> None:
         """Have the engines free what refits keep between them (``release_refit_buffers``)."""

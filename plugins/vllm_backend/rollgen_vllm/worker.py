@@ -98,6 +98,13 @@ def lora_request(adapter: int | None) -> Any:
     return LoRARequest(f"rollgen-adapter-{adapter}", adapter, f"/rollgen-adapters/{adapter}")
 
 
+def vllm_prompt(prompt_ids: list[int], params: SampleParams) -> dict[str, Any]:
+    """vLLM's prompt for a sample: its ids, salted with the weight version it decodes with, so
+    that vLLM's prefix cache (whose blocks are keyed by the salt) reuses no prefix computed
+    under other weights, and a weight update needs no prefix-cache reset."""
+    return {"prompt_token_ids": prompt_ids, "cache_salt": f"rollgen-weights-{params.weight_version}"}
+
+
 @functools.cache
 def flat_logprobs_supported() -> bool:
     """Whether this vLLM's ``SamplingParams`` can return logprobs in its flat layout."""
@@ -147,6 +154,7 @@ class VllmWorker(EngineWorker):
     (no Ray executor there): vLLM's ``mp`` executor inside this actor."""
 
     engine_processes = ("VLLM::EngineCore", "VLLM::Worker")
+    versioned_prefixes = True
 
     def _start(self) -> None:
         import ray
@@ -204,7 +212,7 @@ class VllmWorker(EngineWorker):
         try:
             for key, prompt, p, sampling in zip(keys, prompts, params, sampling_params(params)):
                 lora = lora_request(p.adapter)
-                engine.add_request(key, {"prompt_token_ids": prompt}, sampling, lora_request=lora)
+                engine.add_request(key, vllm_prompt(prompt, p), sampling, lora_request=lora)
             while len(ended) < len(keys) and engine.has_unfinished_requests():
                 ended.update((o.request_id, o) for o in engine.step() if o.finished)
         except BaseException:
@@ -226,7 +234,7 @@ class VllmWorker(EngineWorker):
     def _add_samples(self, requests: list[SampleRequest]) -> None:
         engine = self.llm.llm_engine
         for request, params in zip(requests, sampling_params([r.params for r in requests], stream=True)):
-            prompt = {"prompt_token_ids": list(request.prompt_ids)}
+            prompt = vllm_prompt(list(request.prompt_ids), request.params)
             engine.add_request(request.key, prompt, params, lora_request=lora_request(request.params.adapter))
 
     def _abort_samples(self, keys: list[str]) -> None:
