@@ -18,8 +18,9 @@ weights, ``--util`` of the GPU), shut down before the next starts:
    ``token_mult_prob_error`` (docs/adding-new-models.md there: the mean over generated tokens of
    exp(|logprob_train - logprob_inference|); ``rollgen.testing.reference.agreement``), max and
    mean |Δlogprob|; then the trainer takes one SGD step (``--gap-lr``) of group-normalised
-   REINFORCE on a made-up reward (the share of even token ids a sample generated) and the engine
-   is refitted with the new weights, in place, as a trainer refits its own parameters. Random
+   REINFORCE on a made-up reward (the share of even token ids a sample generated; the share of
+   the weights the step changed is recorded) and the engine is refitted with the new weights, in
+   place, as a trainer refits its own parameters. Random
    weights give flatter distributions than trained ones: compare the quantizations with each
    other, not with gaps measured on trained models;
 3. throughput at each of ``--batches`` prompts of ``--prompt-tokens`` random ids, ``--new-tokens``
@@ -72,7 +73,16 @@ from rollgen.testing.reference import agreement, teacher_forced_logprobs
 #: ``--quant`` values: vLLM's online quantization shorthands (vLLM 0.26), and ``none``.
 QUANTIZATIONS = ("none", "fp8_per_tensor", "fp8_per_block")
 SHAPES = {"1.5b": qwen25_1p5b_dir, "7b": qwen25_7b_dir}
-GAP_COLUMNS = ["variant", "step", "reward", "tokens", "token_mult_prob_error", "max_abs", "mean_abs"]
+GAP_COLUMNS = [
+    "variant",
+    "step",
+    "changed",
+    "reward",
+    "tokens",
+    "token_mult_prob_error",
+    "max_abs",
+    "mean_abs",
+]
 THROUGHPUT_COLUMNS = ["variant", "batch", "rollgen_tok_s", "rollgen_tok_s_min", "rollgen_tok_s_max"]
 REFIT_COLUMNS = ["variant", "checked", "gb", "refit_ms", "first_refit_ms", "second_refit_ms"]
 
@@ -141,20 +151,46 @@ def batch_of(n: int, length: int, vocab: int, seed: int, group: int = 1) -> dict
     return {"input_ids": ids, "input_lengths": torch.full((ids.shape[0],), length)}
 
 
-def gap_step(gen: Any, trainer: Any, args: argparse.Namespace, step: int, last: bool) -> dict[str, Any]:
-    """One step of the gap's loop: sample on the engine, the gap to the trainer's forward, then
-    (unless ``last``) one SGD step of the trainer on the samples and a refit of the engine."""
-    vocab, device = trainer.config.vocab_size, trainer.device
-    batch = batch_of(args.gap_batch, args.prompt_tokens, vocab, seed=1 + step, group=args.gap_group)
-    out = gen.generate(batch)
-    lengths = batch["input_lengths"]
-    mask = generated_mask(out, lengths)
-    reference = trainer_logprobs(trainer, out, lengths, args.gap_chunk)
-    rewards = ((out["output_ids"] % 2 == 0) & mask).sum(1) / mask.sum(1).clamp(min=1)
-    row = {"step": step, "reward": float(rewards.mean()), **agreement(out["logprobs"], reference, mask)}
-    if not last:
-        advantages = group_advantages(rewards.float(), args.gap_group)
-        trainer.requires_grad_(True)
+def gap_loop(gen: Any, trainer: Any, args: argparse.Namespace, fields: dict[str, Any], results: dict) -> None:
+    """The gap's loop: each step samples on the engine and measures the gap to the trainer's
+    forward; between steps the trainer trains on the samples and the engine is refitted. A row
+    a step (``changed``: the share of the trainer's weights the step before it changed)."""
+    changed = 0.0
+    vocab = trainer.config.vocab_size
+    for step in range(args.gap_steps):
+        batch = batch_of(args.gap_batch, args.prompt_tokens, vocab, seed=1 + step, group=args.gap_group)
+        out = gen.generate(batch)
+        lengths = batch["input_lengths"]
+        mask = generated_mask(out, lengths)
+        reference = trainer_logprobs(trainer, out, lengths, args.gap_chunk)
+        rewards = ((out["output_ids"] % 2 == 0) & mask).sum(1) / mask.sum(1).clamp(min=1)
+        gap = agreement(out["logprobs"], reference, mask)
+        results["gap"].append(
+            {**fields, "step": step, "changed": changed, "reward": float(rewards.mean()), **gap}
+        )
+        print_table(results["gap"][-1:], GAP_COLUMNS)
+        save(args, results)
+        if step < args.gap_steps - 1:
+            changed = train_step(trainer, out, mask, rewards, args)
+            gen.refit(trainer, dtype=gen.engine_dtype)
+
+
+def train_step(
+    trainer: Any,
+    out: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    args: argparse.Namespace,
+) -> float:
+    """One SGD step (``--gap-lr``) of group-normalised REINFORCE on a made-up reward, the
+    gradient taken ``--gap-chunk`` samples at a time with gradient checkpointing; returns the
+    share of the trainer's weights it changed (in bf16 a small step rounds away)."""
+    advantages = group_advantages(rewards.float(), args.gap_group)
+    device = trainer.device
+    trainer.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    trainer.train().requires_grad_(True)
+    changed = total = 0
+    try:
         for part in (slice(i, i + args.gap_chunk) for i in range(0, mask.shape[0], args.gap_chunk)):
             ids, ends = out["output_ids"][part].to(device), out["unpadded_sequence_lengths"][part].to(device)
             logprobs = sequence_logprobs(trainer, ids, ends)
@@ -164,10 +200,15 @@ def gap_step(gen: Any, trainer: Any, args: argparse.Namespace, step: int, last: 
         with torch.no_grad():
             for p in trainer.parameters():
                 if p.grad is not None:
+                    before = p.clone()
                     p.sub_(p.grad, alpha=args.gap_lr)
+                    changed += int((p != before).sum())
+                    total += p.numel()
+    finally:
         trainer.requires_grad_(False).zero_grad(set_to_none=True)
-        gen.refit(trainer, dtype=gen.engine_dtype)
-    return row
+        trainer.gradient_checkpointing_disable()
+        trainer.eval()
+    return changed / max(total, 1)
 
 
 def run_variant(
@@ -192,11 +233,7 @@ def run_variant(
         results["refit"] += [{**fields, **row} for row in rows]
         print_table(results["refit"][-len(rows) :], REFIT_COLUMNS)
         save(args, results)
-        for step in range(args.gap_steps):
-            row = gap_step(gen, trainer, args, step, last=step == args.gap_steps - 1)
-            results["gap"].append({**fields, **row})
-            print_table(results["gap"][-1:], GAP_COLUMNS)
-            save(args, results)
+        gap_loop(gen, trainer, args, fields, results)
         del state, trainer
         gc.collect()
         for n in args.batches:
@@ -229,7 +266,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--gap-batch", type=int, default=64, help="samples of each step of the gap's loop")
     parser.add_argument("--gap-group", type=int, default=4, help="samples of each prompt (GRPO's group)")
     parser.add_argument("--gap-steps", type=int, default=5, help="steps of the loop (the last untrained)")
-    parser.add_argument("--gap-lr", type=float, default=1e-3, help="the trainer's SGD step size")
+    parser.add_argument("--gap-lr", type=float, default=1e-2, help="the trainer's SGD step size")
     parser.add_argument("--gap-chunk", type=int, default=8, help="samples per trainer forward")
     parser.add_argument("--util", type=float, default=0.5, help="gpu_memory_utilization")
     parser.add_argument("--seed", type=int, default=0, help="of the trainer's initialization")
@@ -241,8 +278,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="out/benchmarks")
     args = parser.parse_args(argv)
-    if args.gap_batch % args.gap_group:
-        parser.error(f"--gap-batch {args.gap_batch} is not a multiple of --gap-group {args.gap_group}")
+    if args.gap_group < 2 or args.gap_batch % args.gap_group:
+        parser.error(f"--gap-group {args.gap_group}: at least 2 (GRPO's baseline), dividing --gap-batch")
     return args
 
 

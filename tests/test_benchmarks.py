@@ -429,6 +429,7 @@ def test_the_fp8_benchmark_runs_on_cpu(tmp_path) -> None:  # type: ignore[no-unt
     results = fp8.main(argv)
     assert [(r["variant"], r["checked"]) for r in results["refit"]] == [("none", True), ("none", False)]
     assert [gap["step"] for gap in results["gap"]] == [0, 1]
+    assert results["gap"][0]["changed"] == 0 and results["gap"][1]["changed"] > 0.5, results["gap"]
     for gap in results["gap"]:
         assert gap["quantization"] is None and gap["kv_cache_dtype"] == "auto"
         assert gap["tokens"] > 0 and gap["token_mult_prob_error"] < 1.01, gap

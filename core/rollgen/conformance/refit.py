@@ -95,17 +95,18 @@ class RefitTests:
         ones is reused, whether the engine resets its cache or keys it by weight version), and
         the first weights give the first output back."""
         new = references(other_model_dir, "float32")
-        skip_unless(caps, "refit", lambda: engine.refit(new))
+        dtype = engine.engine_dtype
+        skip_unless(caps, "refit", lambda: engine.refit(new, dtype=dtype))
         old = references(model_dir, "float32")
         long = long_prompt(tokenizer, engine.max_model_len - LONG_PROMPT_ROOM)
         before = engine.generate(long, greedy=True)
-        engine.refit(new)
+        engine.refit(new, dtype=dtype)
         try:
             after = engine.generate(long, greedy=True)
             stats = check_against_reference(new, after, long, "float32")
             request.node.user_properties += [(f"long_prompt_after_refit_{k}", v) for k, v in stats.items()]
         finally:
-            engine.refit(old)
+            engine.refit(old, dtype=dtype)
         assert_same_generation(request, "long_prompt_restored", engine.generate(long, greedy=True), before)
 
     @requires("refit")

@@ -83,7 +83,7 @@ class RayLink:
         table = self.replicas.table
         devices = tuple(uuid for r in table for uuid in r.info["devices"])
         sync_ranks = len(self.replicas) * self.ranks_per_engine
-        versioned = all(r.info["versioned_prefixes"] for r in table)
+        versioned = all(r.info.get("versioned_prefixes", False) for r in table)
         return EngineFacts(self.transport, devices, self.sync_device, sync_ranks, False, versioned)
 
     def _open_channels(self) -> list[list[channel.Channel]]:
