@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import rollgen
@@ -626,17 +626,27 @@ def test_a_request_that_comes_while_asleep_is_answered_once_awake(
 
 @settings(max_examples=200, deadline=None)
 @given(text=st.text(max_size=40), cuts=st.lists(st.integers(1, 12), min_size=40, max_size=40))
+@example(text="\ufffd", cuts=[1] * 40)  # a literal replacement character: held back as a part
+@example(text="a\ufffd", cuts=[1] * 40)
 def test_streamed_text_is_the_whole_text(gen: Any, text: str, cuts: list[int]) -> None:
     """Both incremental decoders (the fast tokenizer's own, and windowed decodes for any
-    tokenizer), fed a reply's tokens in any pieces, give its whole text."""
-    from rollgen.serving.streaming import IncrementalText, StreamedText
+    tokenizer), fed a reply's tokens in any pieces, give its whole text, up to a last run of
+    replacement characters (which may be a character's first bytes: held back); a streamed
+    choice's end sends that rest from the whole answer's text."""
+    from rollgen.rollout import SampleResult, TokenDelta
+    from rollgen.serving.streaming import ChoiceStream, IncrementalText, StreamedText
 
     tok = gen.tokenizer
     ids = tok(text, add_special_tokens=False)["input_ids"]
     whole = tok.decode(ids, skip_special_tokens=True)
     for decoder in (StreamedText(tok.backend_tokenizer), IncrementalText(lambda i: tok.decode(list(i)))):
+        stream = ChoiceStream(0, (1,), decoder, 0, False, False, str, "raw")
         shown, at = "", 0
         for cut in cuts:
-            shown += decoder.add(ids[at : at + cut])
+            part = tuple(ids[at : at + cut])
+            shown += stream.delta(TokenDelta(0, at, part, (0.0,) * len(part), 0))["text"]
             at += cut
+        assert whole.startswith(shown) and not whole[len(shown) :].strip("\ufffd"), type(decoder).__name__
+        result = SampleResult(0, ids, [0.0] * len(ids), "length", ((0, 0),))
+        shown += stream.end(result, {"text": whole, "finish_reason": "length"})["text"]
         assert shown == whole, type(decoder).__name__
