@@ -334,9 +334,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         config = tiny_config("vllm")
         config["vllm_cfg"] = {**config.get("vllm_cfg", {}), "kv_cache_memory_bytes": kv_mib << 20}
         with rollgen.create_generation(config) as gen:
-            from transformers import AutoTokenizer
-
-            batch = encode(AutoTokenizer.from_pretrained(config["model_name"]), PROMPTS * 8)
+            batch = encode(gen.tokenizer, PROMPTS * 8)
             state = random_state(gen.weight_spec, torch.device("cpu"))
             (alone, _) = measure(gen, [state], [0], args.repeats, "host")
             rows.append(
