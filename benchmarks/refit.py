@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     for kv_mib in args.kv_mib:
         config = tiny_config("vllm")
         config["vllm_cfg"] = {**config.get("vllm_cfg", {}), "kv_cache_memory_bytes": kv_mib << 20}
-        with rollgen.create_generation(config) as gen:
+        gen: Any = rollgen.create_generation(config)  # a BaseGeneration: its tokenizer
+        with gen:
             batch = encode(gen.tokenizer, PROMPTS * 8)
             state = random_state(gen.weight_spec, torch.device("cpu"))
             (alone, _) = measure(gen, [state], [0], args.repeats, "host")
