@@ -1,5 +1,6 @@
 """Ray orchestration on real Ray: tied groups, a simulated two-node cluster, worker faults."""
 
+import threading
 from typing import Any
 
 import pytest
@@ -282,7 +283,8 @@ class _StandInGroup:
     """A stand-in worker group of two engines whose calls are only recorded (for the
     dispatcher's bookkeeping, without Ray); each started with room for one sample."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 1) -> None:
+        self.capacity = capacity
         self.log: list[tuple[str, int, Any]] = []
         self.names = ["engine 0", "engine 1"]
         self.workers = [
@@ -292,7 +294,7 @@ class _StandInGroup:
 
     def call_all(self, method: Any) -> list[dict[str, Any]]:
         assert method.__name__ == "ready"
-        return [{"node": "here", "pid": 0, "devices": [], "capacity": 1}] * 2
+        return [{"node": "here", "pid": 0, "devices": [], "capacity": self.capacity}] * 2
 
 
 def test_a_streaming_sample_of_a_dead_engine_continues_from_the_tokens_it_streamed() -> None:
@@ -331,3 +333,56 @@ def test_a_streaming_sample_of_a_dead_engine_continues_from_the_tokens_it_stream
     last = ended[-1]
     assert last.key == "0:0:0" and last.token_ids == (30, 31, 32, 33, 2) and last.restarts == 1
     assert last.logprobs == (-0.1, -0.2, -0.5, -0.6, -0.7)
+
+
+class _HeldCalls(_Calls):
+    """A stand-in ``start_samples`` (not an actor) whose first call holds, as a slow call to an
+    engine would, until ``release`` is set; each call's sample keys are kept in ``keys``."""
+
+    def __init__(self, log: list[tuple[str, int, Any]], engine: int) -> None:
+        super().__init__(log, "start_samples", engine)
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.keys: list[list[str]] = []
+        self.made = threading.Condition()
+
+    def remote(self, *args: Any) -> object:
+        if not self.keys:
+            self.entered.set()
+            self.release.wait(60)
+        with self.made:
+            self.keys.append([r.key for r in args[0]])
+            self.made.notify_all()
+        return super().remote(*args)
+
+
+def test_samples_started_during_a_call_to_an_engine_go_to_it_together(monkeypatch) -> None:
+    """``start`` only queues: while one call to an engine is being made, the samples started
+    meanwhile wait (``start`` returns at once) and then go to it in one call, not one each."""
+    from types import SimpleNamespace
+
+    from rollgen.distributed import dispatch
+    from rollgen.distributed.replicas import Replicas
+    from rollgen.rollout import SampleRequest
+    from rollgen.sampling import SampleParams
+
+    # a stand-in for ray.wait: the stand-in group's calls are never answered
+    monkeypatch.setattr(dispatch, "ray", SimpleNamespace(wait=lambda refs, num_returns, timeout: ([], refs)))
+    group = _StandInGroup(capacity=8)
+    held = group.workers[0].start_samples = _HeldCalls(group.log, 0)
+    replicas = Replicas(group, "stand-in", replaces=True)  # type: ignore[arg-type]
+    dispatcher = dispatch.SampleDispatcher(replicas, lambda ended: None, lambda e: None)
+    params = SampleParams(1.0, 1.0, -1, 10, (), (2,), 7)
+    try:
+        dispatcher.start([SampleRequest("0:0:0", (5, 6), params, replica=0)])
+        assert held.entered.wait(60), "the first sample's call was made"
+        for i in range(1, 4):
+            dispatcher.start([SampleRequest(f"{i}:0:0", (5, 6), params, replica=0)])
+        assert held.keys == [], "the first call still holds: the others were only queued"
+        held.release.set()
+        with held.made:
+            assert held.made.wait_for(lambda: len(held.keys) == 2, timeout=60)
+        assert held.keys == [["0:0:0"], ["1:0:0", "2:0:0", "3:0:0"]]
+        assert [r.running for r in dispatcher.load()] == [4, 0]
+    finally:
+        held.release.set()
+        dispatcher.close()

@@ -4,10 +4,12 @@ while that one has room, else to the engine with the most free room (``EngineWor
 each); samples wait on the driver when every engine is full, and go out as engines free up; a
 thread polls the engines that have samples and hands the new tokens of samples that stream them
 and what ended to the core (each stamped with the replica it ran on), and an engine's failure to
-the generation. A sample restarted after its engine died continues from the tokens already
-handed on (those of a sample that streams them), so nothing handed on is taken back. Which
-engines take samples, and with what capacity, is the replicas' (``rollgen.distributed.replicas``);
-the dispatcher listens for one that leaves service (its samples go to the others) or returns."""
+the generation. ``start`` only queues: a sending thread hands what queued meanwhile to each engine
+in one call, so a burst of submits (a server's requests) reaches an engine in few calls. A
+sample restarted after its engine died continues from the tokens already handed on (those of a
+sample that streams them), so nothing handed on is taken back. Which engines take samples, and
+with what capacity, is the replicas' (``rollgen.distributed.replicas``); the dispatcher listens
+for one that leaves service (its samples go to the others) or returns."""
 
 from __future__ import annotations
 
@@ -59,23 +61,32 @@ class SampleDispatcher:
         self._started = [0] * len(replicas)
         self._polls: dict[Any, int] = {}
         self._calls: dict[Any, int] = {}
-        self._thread: threading.Thread | None = None
+        #: Samples ``start`` took and the sending thread has not yet queued (its own lock, so
+        #: that a start never waits for a call to an engine).
+        self._inbox: list[SampleRequest] = []
+        self._inbox_ready = threading.Condition(threading.Lock())
+        self._threads: list[threading.Thread] = []
         self._closed = False
         replicas.listen(self)
 
     def start(self, requests: list[SampleRequest]) -> None:
-        with self._lock:
-            self._queue.extend(requests)
-            self._send()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._poll, daemon=True, name="rollgen-dispatch")
-                self._thread.start()
-            self._lock.notify_all()
+        """Queue ``requests``; the sending thread hands them on, with those queued meanwhile."""
+        with self._inbox_ready:
+            if not self._threads:
+                self._threads = [
+                    threading.Thread(target=run, daemon=True, name=f"rollgen-dispatch-{what}")
+                    for run, what in ((self._poll, "poll"), (self._sender, "send"))
+                ]
+                for thread in self._threads:
+                    thread.start()
+            self._inbox.extend(requests)
+            self._inbox_ready.notify()
 
     def abort(self, keys: list[str]) -> None:
         wanted = set(keys)
         by_engine: dict[int, list[str]] = defaultdict(list)
         with self._lock:
+            self._queue.extend(self._take_inbox())
             waiting = [r for r in self._queue if r.key in wanted]
             self._queue = deque(r for r in self._queue if r.key not in wanted)
             gone = [self._end_of(FinishedSample(r.key, (), (), aborted=True, started=False)) for r in waiting]
@@ -103,11 +114,33 @@ class SampleDispatcher:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+        with self._inbox_ready:
+            self._inbox_ready.notify_all()
+        for thread in self._threads:
+            thread.join()
 
-    def _send(self) -> None:
-        """Hand waiting samples to the engines with room (under the lock)."""
+    def _take_inbox(self) -> list[SampleRequest]:
+        with self._inbox_ready:
+            taken, self._inbox = self._inbox, []
+        return taken
+
+    def _sender(self) -> None:
+        """Hand what ``start`` queued to the engines, all that queued meanwhile in one go."""
+        while True:
+            with self._inbox_ready:
+                self._inbox_ready.wait_for(lambda: self._closed or bool(self._inbox))
+            with self._lock:
+                if self._closed:
+                    return
+                unsent = self._send()
+                self._lock.notify_all()  # the polling thread: engines have samples
+            if unsent:
+                self.deliver(unsent)
+
+    def _send(self) -> list[FinishedSample]:
+        """Hand waiting samples (and those ``start`` queued) to the engines with room (under
+        the lock); returns the ends of those whose call could not be made, to deliver."""
+        self._queue.extend(self._take_inbox())
         batches: dict[int, list[SampleRequest]] = defaultdict(list)
         while self._queue:
             room = [
@@ -122,8 +155,18 @@ class SampleDispatcher:
             self._started[engine] += 1
             self._where[request.key] = engine
             self._requests[request.key] = request
+        unsent = []
         for i, requests in batches.items():
-            self._calls[self.group.workers[i].start_samples.remote(requests)] = i
+            try:
+                self._calls[self.group.workers[i].start_samples.remote(requests)] = i
+            except Exception as exc:  # noqa: BLE001 - Ray refused the call: its samples fail, not the thread
+                logger.error("%s: samples could not be sent: %s", self.group.names[i], exc)
+                error = f"{self.group.names[i]}: samples could not be sent to it: {exc}"
+                for r in requests:
+                    del self._where[r.key]
+                    self._load[i] -= 1
+                    unsent.append(self._end_of(FinishedSample(r.key, (), (), error=error, started=False)))
+        return unsent
 
     def _poll(self) -> None:
         while True:
@@ -205,10 +248,10 @@ class SampleDispatcher:
         self.replicas.take_out(engine, exc)
         with self._lock:
             if not self.replicas.live:  # no engine left for the waiting ones either
-                lost += [r.key for r in self._queue]
+                lost += [r.key for r in self._queue] + [r.key for r in self._take_inbox()]
                 self._queue.clear()
             ended = [self._end_of(FinishedSample(k, (), (), error=f"{name}: {exc}")) for k in lost]
-            self._send()
+            ended += self._send()
         if ended:
             self.deliver(ended)
 
@@ -218,8 +261,7 @@ class SampleDispatcher:
             for sample in ended:
                 if self._where.pop(sample.key, None) is not None:
                     self._load[engine] -= 1
-            ended = [self._end_of(s) for s in ended]
-            self._send()
+            ended = [self._end_of(s) for s in ended] + self._send()
         if ended:
             self.deliver(ended)
 
@@ -242,8 +284,10 @@ class SampleDispatcher:
                 logger.warning(
                     "%s: %d streamed sample(s) restart on other engines", self.group.names[engine], len(keys)
                 )
-            self._send()
+            unsent = self._send()
             self._lock.notify_all()
+        if unsent:
+            self.deliver(unsent)
 
     def _continued(self, request: SampleRequest) -> SampleRequest:
         """``request`` to run again after its engine died: its prompt extended by the tokens its
@@ -260,8 +304,10 @@ class SampleDispatcher:
     def replica_returned(self, engine: int) -> None:
         """Engine ``engine`` (a new actor) is in service again: the waiting samples may go to it."""
         with self._lock:
-            self._send()
+            unsent = self._send()
             self._lock.notify_all()
+        if unsent:
+            self.deliver(unsent)
 
 
 def place(preferred: int | None, room: list[int]) -> int | None:

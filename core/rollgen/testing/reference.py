@@ -106,6 +106,7 @@ def agreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict[str,
     }
 
 
+@torch.no_grad()
 def versioned_logprob_error(
     token_ids: list[int],
     logprobs: list[float | None],
