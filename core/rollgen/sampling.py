@@ -32,6 +32,12 @@ class SampleParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def prefix_salt(self) -> str:
+        """The key an engine's prefix cache files this sample's prompt under (vLLM's
+        ``cache_salt``, SGLang's ``extra_key``): one per weight version."""
+        return f"rollgen-weights-{self.weight_version}"
+
 
 def resolve_sampling(
     cfg: Mapping[str, Any],

@@ -73,6 +73,20 @@ def sampling_params(params: Sequence[SampleParams], seeded: bool) -> list[dict[s
     return out
 
 
+def sglang_request(input_ids: Any, sampling: Any, salt: str | list[str], **fields: Any) -> Any:
+    """SGLang's request (``GenerateReqInput``) for one prompt or a batch, with logprobs, keyed
+    in SGLang's prefix cache by ``salt`` (``SampleParams.prefix_salt``: the weight version the
+    sample decodes with) as its ``extra_key``, as SGLang's own server passes a ``cache_salt``:
+    the radix cache then matches no prefix computed under other weights, and a refit needs no
+    flush. ``Engine.generate`` takes no such key; the worker hands the request to the engine's
+    tokenizer manager as ``Engine.generate`` does. ``fields``: other fields (``stream``, ``rid``)."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    return GenerateReqInput(
+        input_ids=input_ids, sampling_params=sampling, return_logprob=True, extra_key=salt, **fields
+    )
+
+
 class StreamedRequests:
     """Streamed samples as SGLang streaming requests on the engine's event loop (one task each,
     keyed by ``rid``), and what they produced since the last look. Apart from the actor class:
@@ -95,14 +109,9 @@ class StreamedRequests:
         (SGLang's chunks carry the whole output so far)."""
         sent = 0
         try:
-            chunks = await self.engine.async_generate(
-                input_ids=list(request.prompt_ids),
-                sampling_params=params,
-                return_logprob=True,
-                stream=True,
-                rid=request.key,
-            )
-            async for chunk in chunks:
+            salt = request.params.prefix_salt
+            req = sglang_request(list(request.prompt_ids), params, salt, stream=True, rid=request.key)
+            async for chunk in self.engine.tokenizer_manager.generate_request(req, None):
                 ids, lps = chunk["output_ids"], chunk["meta_info"]["output_token_logprobs"]
                 end = min(len(ids), len(lps))
                 reason = chunk["meta_info"]["finish_reason"]
@@ -152,6 +161,7 @@ class SglangWorker(EngineWorker):
     engine while samples stream, so one thread runs the loop at a time."""
 
     engine_processes = ("sglang::scheduler", "sglang::detokenizer")
+    versioned_prefixes = True
 
     def _start(self) -> None:
         spec, scfg = self.spec, self.spec.engine
@@ -193,8 +203,9 @@ class SglangWorker(EngineWorker):
     def _generate(
         self, prompts: list[list[int]], params: Sequence[SampleParams]
     ) -> tuple[list[list[int]], list[list[float]]]:
-        outputs = self.engine.generate(
-            input_ids=prompts, sampling_params=sampling_params(params, self.seeded), return_logprob=True
+        req = sglang_request(prompts, sampling_params(params, self.seeded), [p.prefix_salt for p in params])
+        outputs = self.engine.loop.run_until_complete(
+            self.engine.tokenizer_manager.generate_request(req, None).__anext__()
         )
         tokens = [list(o["output_ids"]) for o in outputs]
         logprobs = [[float(x[0]) for x in o["meta_info"]["output_token_logprobs"]] for o in outputs]

@@ -102,7 +102,7 @@ def vllm_prompt(prompt_ids: list[int], params: SampleParams) -> dict[str, Any]:
     """vLLM's prompt for a sample: its ids, salted with the weight version it decodes with, so
     that vLLM's prefix cache (whose blocks are keyed by the salt) reuses no prefix computed
     under other weights, and a weight update needs no prefix-cache reset."""
-    return {"prompt_token_ids": prompt_ids, "cache_salt": f"rollgen-weights-{params.weight_version}"}
+    return {"prompt_token_ids": prompt_ids, "cache_salt": params.prefix_salt}
 
 
 @functools.cache
