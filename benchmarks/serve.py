@@ -65,6 +65,7 @@ COLUMNS = [
     "front_cpu_ms",
     "other_cpu_ms",
     "mean_running",
+    "engine_calls",
 ]
 
 #: One request's outcome: the tokens it generated and when (``time.perf_counter``) its first
@@ -326,6 +327,39 @@ class RunningProbe:
         return statistics.fmean(self.seen) if self.seen else None
 
 
+class StartCalls:
+    """Counts the calls that hand streamed samples to a Ray generation's engines (each engine
+    actor's ``start_samples``, which the dispatcher makes for what queued since its last call),
+    by wrapping the actor handles' method here, in the benchmark only; ``count`` so far."""
+
+    def __init__(self, gen: Any) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+        for worker in gen.engines.group.workers:
+            worker.start_samples = _CountedMethod(worker.start_samples, self)
+
+    @staticmethod
+    def of(gen: Any) -> Callable[[], int] | None:
+        """``gen``'s counter (installed once); None for a generation without Ray engines."""
+        if getattr(gen, "engines", None) is None:
+            return None
+        method = gen.engines.group.workers[0].start_samples
+        counter = method.counter if isinstance(method, _CountedMethod) else StartCalls(gen)
+        return lambda: counter.count
+
+
+class _CountedMethod:
+    """An actor method whose ``.remote`` calls are counted, then made."""
+
+    def __init__(self, method: Any, counter: StartCalls) -> None:
+        self.method, self.counter = method, counter
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        with self.counter._lock:
+            self.counter.count += 1
+        return self.method.remote(*args, **kwargs)
+
+
 def generation_running(gen: Any) -> Callable[[], int]:
     """The requests a rollgen generation's engines run (its driver's count)."""
     return lambda: sum(r.running for r in gen.replica_load())
@@ -339,15 +373,18 @@ def measured(
     clients_apart: bool,
     front_pid: int | None = None,
     running: Callable[[], int] | None = None,
+    calls: Callable[[], int] | None = None,
 ) -> dict[str, Any]:
     """One contestant's row at ``level`` in flight: ``run()`` → the load's parts; CPU per request
     of the load's processes (``clients_apart``: its parts' own; else none apart from the
     server's), of the server's process (the trainer's: its driver, and its HTTP side unless that
     runs apart), of the HTTP side's own process (``front_pid``) and of everything else; with
-    ``running``, the mean number of requests the engine ran meanwhile (``RunningProbe``)."""
+    ``running``, the mean number of requests the engine ran meanwhile (``RunningProbe``); with
+    ``calls``, the calls that started samples on the engines, per request (``StartCalls``)."""
     front_cpu = (lambda: process_cpu_s(front_pid)) if front_pid is not None else (lambda: 0.0)
     busy, server, front = busy_cpu_s(), process_cpu_s(server_pid), front_cpu()
     probe = RunningProbe(running) if running is not None else None
+    calls_before = calls() if calls is not None else 0
     with probe or contextlib.nullcontext():
         parts = run()
     busy, server = busy_cpu_s() - busy, process_cpu_s(server_pid) - server
@@ -361,6 +398,7 @@ def measured(
         front_cpu_ms=front * per_request if front_pid is not None else None,
         other_cpu_ms=max(0.0, busy - client - server - front) * per_request,
         mean_running=probe.mean if probe is not None else None,
+        engine_calls=(calls() - calls_before) / row["requests"] if calls is not None else None,
     )
     return row
 
@@ -444,7 +482,15 @@ def measure_rollgen(
             http = who.startswith("rollgen serve")
             apart, front = http and len(clients) > 0, server.front_pid if http else None
             measure = partial(
-                measured, who, level, run, psutil.Process().pid, apart, front, generation_running(gen)
+                measured,
+                who,
+                level,
+                run,
+                psutil.Process().pid,
+                apart,
+                front,
+                generation_running(gen),
+                StartCalls.of(gen),
             )
             record(rows, who, level, measure)
     return rows

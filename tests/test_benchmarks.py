@@ -357,6 +357,7 @@ def test_the_serve_benchmark_runs_both_contestants(tmp_path) -> None:  # type: i
     # counted apart (a number, maybe 0: four tiny requests may take less than a clock tick of CPU)
     assert served["front_cpu_ms"] is not None and served["front_cpu_ms"] >= 0
     assert threaded["front_cpu_ms"] is None
+    assert served["engine_calls"] is None, "an in-process engine: no calls to count"
     assert (tmp_path / "serve.json").is_file()
 
 
