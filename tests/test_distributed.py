@@ -1,6 +1,7 @@
 """Ray orchestration on real Ray: tied groups, a simulated two-node cluster, worker faults."""
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -335,6 +336,12 @@ def test_a_streaming_sample_of_a_dead_engine_continues_from_the_tokens_it_stream
     assert last.logprobs == (-0.1, -0.2, -0.5, -0.6, -0.7)
 
 
+def _unanswered(refs: list[Any], num_returns: int, timeout: float) -> tuple[list[Any], list[Any]]:
+    """A stand-in for ``ray.wait``: the stand-in group's calls are never answered."""
+    time.sleep(timeout)
+    return [], refs
+
+
 class _HeldCalls(_Calls):
     """A stand-in ``start_samples`` (not an actor) whose first call holds, as a slow call to an
     engine would, until ``release`` is set; each call's sample keys are kept in ``keys``."""
@@ -365,8 +372,7 @@ def test_samples_started_during_a_call_to_an_engine_go_to_it_together(monkeypatc
     from rollgen.rollout import SampleRequest
     from rollgen.sampling import SampleParams
 
-    # a stand-in for ray.wait: the stand-in group's calls are never answered
-    monkeypatch.setattr(dispatch, "ray", SimpleNamespace(wait=lambda refs, num_returns, timeout: ([], refs)))
+    monkeypatch.setattr(dispatch, "ray", SimpleNamespace(wait=_unanswered))
     group = _StandInGroup(capacity=8)
     held = group.workers[0].start_samples = _HeldCalls(group.log, 0)
     replicas = Replicas(group, "stand-in", replaces=True)  # type: ignore[arg-type]
@@ -385,4 +391,33 @@ def test_samples_started_during_a_call_to_an_engine_go_to_it_together(monkeypatc
         assert [r.running for r in dispatcher.load()] == [4, 0]
     finally:
         held.release.set()
+        dispatcher.close()
+
+
+def test_a_cancel_sends_the_samples_queued_with_it(monkeypatch) -> None:
+    """A sample cancelled while ``start`` had only queued it is reported aborted, never started;
+    the samples queued with it go to the engines then, without waiting for the sending thread
+    (here one that never sends)."""
+    from types import SimpleNamespace
+
+    from rollgen.distributed import dispatch
+    from rollgen.distributed.replicas import Replicas
+    from rollgen.rollout import FinishedSample, SampleRequest
+    from rollgen.sampling import SampleParams
+
+    monkeypatch.setattr(dispatch, "ray", SimpleNamespace(wait=_unanswered))
+    monkeypatch.setattr(dispatch.SampleDispatcher, "_sender", lambda self: None)
+    group = _StandInGroup(capacity=8)
+    ended: list[FinishedSample] = []
+    dispatcher = dispatch.SampleDispatcher(
+        Replicas(group, "stand-in", replaces=True), ended.extend, lambda e: None
+    )  # type: ignore[arg-type]
+    params = SampleParams(1.0, 1.0, -1, 10, (), (2,), 7)
+    try:
+        dispatcher.start([SampleRequest(f"0:{i}:0", (5, 6), params) for i in range(3)])
+        dispatcher.abort(["0:1:0"])
+        assert ended == [FinishedSample("0:1:0", (), (), aborted=True, started=False)]
+        sent = [[r.key for r in args[0]] for name, _, args in group.log if name == "start_samples"]
+        assert sorted(key for call in sent for key in call) == ["0:0:0", "0:2:0"]
+    finally:
         dispatcher.close()

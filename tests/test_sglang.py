@@ -50,3 +50,17 @@ def test_config_validation(hf_config: dict) -> None:
         validate_config(bad, SglangConfig)
     assert len(info.value.problems) == 3
     assert any("tp_size" in p for p in info.value.problems)
+
+
+def test_the_prefix_cache_is_keyed_by_version_unless_a_setting_ignores_the_key() -> None:
+    """SGLang's radix caches key a request's prefix by its ``extra_key`` (the weight version),
+    so refits flush nothing; its experimental C++ radix tree ignores the key (refits flush then),
+    and HiCache's storage tier, which ignores it and survives a flush, is refused."""
+    from rollgen_sglang.worker import keys_prefixes_by_version
+
+    assert keys_prefixes_by_version({"tp_size": 1}, {}) is True
+    assert keys_prefixes_by_version({"enable_hierarchical_cache": True}, {}) is True
+    assert keys_prefixes_by_version({}, {"SGLANG_EXPERIMENTAL_CPP_RADIX_TREE": "1"}) is False
+    assert keys_prefixes_by_version({}, {"SGLANG_EXPERIMENTAL_CPP_RADIX_TREE": "false"}) is True
+    with pytest.raises(ConfigError, match="hicache_storage_backend"):
+        keys_prefixes_by_version({"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}, {})

@@ -65,6 +65,9 @@ class SampleDispatcher:
         #: that a start never waits for a call to an engine).
         self._inbox: list[SampleRequest] = []
         self._inbox_ready = threading.Condition(threading.Lock())
+        #: The ends of samples whose call Ray refused, for the sending thread to deliver (outside
+        #: every lock: ``_send`` runs under the replicas' lock too, as their listener).
+        self._unsent: list[FinishedSample] = []
         self._threads: list[threading.Thread] = []
         self._closed = False
         replicas.listen(self)
@@ -95,6 +98,8 @@ class SampleDispatcher:
                     by_engine[self._where[key]].append(key)
             for i, engine_keys in by_engine.items():
                 self._calls[self.group.workers[i].abort_samples.remote(engine_keys)] = i
+            self._send()  # the others ``start`` queued with them
+            self._lock.notify_all()  # the polling thread: calls to answer, engines with samples
         if gone:
             self.deliver(gone)
 
@@ -125,21 +130,31 @@ class SampleDispatcher:
         return taken
 
     def _sender(self) -> None:
-        """Hand what ``start`` queued to the engines, all that queued meanwhile in one go."""
+        """Hand what ``start`` queued to the engines, all that queued meanwhile in one go, and
+        deliver the ends of samples whose call Ray refused."""
         while True:
             with self._inbox_ready:
-                self._inbox_ready.wait_for(lambda: self._closed or bool(self._inbox))
+                self._inbox_ready.wait_for(lambda: self._closed or bool(self._inbox or self._unsent))
             with self._lock:
                 if self._closed:
                     return
-                unsent = self._send()
+                try:
+                    self._send()
+                except Exception as exc:  # noqa: BLE001 - a fault here fails the waiting samples, not the thread
+                    logger.exception("streamed samples could not be handed to the engines")
+                    self._unsent += [
+                        self._end_of(FinishedSample(r.key, (), (), error=f"not sent: {exc}", started=False))
+                        for r in self._queue
+                    ]
+                    self._queue.clear()
+                unsent, self._unsent = self._unsent, []
                 self._lock.notify_all()  # the polling thread: engines have samples
             if unsent:
                 self.deliver(unsent)
 
-    def _send(self) -> list[FinishedSample]:
+    def _send(self) -> None:
         """Hand waiting samples (and those ``start`` queued) to the engines with room (under
-        the lock); returns the ends of those whose call could not be made, to deliver."""
+        the lock); the ends of those whose call Ray refused go to the sending thread."""
         self._queue.extend(self._take_inbox())
         batches: dict[int, list[SampleRequest]] = defaultdict(list)
         while self._queue:
@@ -155,7 +170,6 @@ class SampleDispatcher:
             self._started[engine] += 1
             self._where[request.key] = engine
             self._requests[request.key] = request
-        unsent = []
         for i, requests in batches.items():
             try:
                 self._calls[self.group.workers[i].start_samples.remote(requests)] = i
@@ -165,8 +179,12 @@ class SampleDispatcher:
                 for r in requests:
                     del self._where[r.key]
                     self._load[i] -= 1
-                    unsent.append(self._end_of(FinishedSample(r.key, (), (), error=error, started=False)))
-        return unsent
+                    self._started[i] -= 1
+                    self._unsent.append(
+                        self._end_of(FinishedSample(r.key, (), (), error=error, started=False))
+                    )
+                with self._inbox_ready:
+                    self._inbox_ready.notify()
 
     def _poll(self) -> None:
         while True:
@@ -251,7 +269,7 @@ class SampleDispatcher:
                 lost += [r.key for r in self._queue] + [r.key for r in self._take_inbox()]
                 self._queue.clear()
             ended = [self._end_of(FinishedSample(k, (), (), error=f"{name}: {exc}")) for k in lost]
-            ended += self._send()
+            self._send()
         if ended:
             self.deliver(ended)
 
@@ -261,7 +279,8 @@ class SampleDispatcher:
             for sample in ended:
                 if self._where.pop(sample.key, None) is not None:
                     self._load[engine] -= 1
-            ended = [self._end_of(s) for s in ended] + self._send()
+            ended = [self._end_of(s) for s in ended]
+            self._send()
         if ended:
             self.deliver(ended)
 
@@ -284,10 +303,8 @@ class SampleDispatcher:
                 logger.warning(
                     "%s: %d streamed sample(s) restart on other engines", self.group.names[engine], len(keys)
                 )
-            unsent = self._send()
+            self._send()
             self._lock.notify_all()
-        if unsent:
-            self.deliver(unsent)
 
     def _continued(self, request: SampleRequest) -> SampleRequest:
         """``request`` to run again after its engine died: its prompt extended by the tokens its
@@ -304,10 +321,8 @@ class SampleDispatcher:
     def replica_returned(self, engine: int) -> None:
         """Engine ``engine`` (a new actor) is in service again: the waiting samples may go to it."""
         with self._lock:
-            unsent = self._send()
+            self._send()
             self._lock.notify_all()
-        if unsent:
-            self.deliver(unsent)
 
 
 def place(preferred: int | None, room: list[int]) -> int | None:

@@ -117,8 +117,9 @@ class EngineWorker(ABC):
     #: Ray concurrency groups beside the default one (of one thread): ``poll`` waits in its own.
     concurrency_groups: ClassVar[dict[str, int]] = {"results": 1}
     #: The engine's prefix cache keys each prompt by ``SampleParams.weight_version`` (updates
-    #: then reset no prefix cache: ``rollgen.refit.EngineFacts.versioned_prefixes``).
-    versioned_prefixes: ClassVar[bool] = False
+    #: then reset no prefix cache: ``rollgen.refit.EngineFacts.versioned_prefixes``); a worker
+    #: may set it in ``_start`` where its engine's settings decide.
+    versioned_prefixes: bool = False
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec

@@ -6,14 +6,14 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from rollgen.distributed.worker import EngineWorker
 from rollgen.distributed.worker_groups import TiedGroup
-from rollgen.errors import InputError, RefitError, RollgenError
+from rollgen.errors import ConfigError, InputError, RefitError, RollgenError
 from rollgen.refit import WeightBucket, WeightSpec, device_uuid
 from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, receive
 from rollgen.rollout import SampleRequest
@@ -71,6 +71,25 @@ def sampling_params(params: Sequence[SampleParams], seeded: bool) -> list[dict[s
             sp["sampling_seed"] = p.seed
         out.append(sp)
     return out
+
+
+def keys_prefixes_by_version(kwargs: Mapping[str, Any], environ: Mapping[str, str]) -> bool:
+    """Whether an SGLang engine of these ``sglang.Engine`` arguments (and this environment) keys
+    its prefix cache by a request's ``extra_key`` (SGLang 0.5.16): its default radix cache and
+    the others do, its experimental C++ radix tree (``SGLANG_EXPERIMENTAL_CPP_RADIX_TREE``)
+    matches token ids alone, so refits flush the cache there.
+
+    Raises:
+        ConfigError: HiCache with a storage tier (``hicache_storage_backend``), whose pages are
+            found by a hash of token ids alone and survive a flush, so KV computed under old
+            weights would be served after a refit."""
+    if kwargs.get("enable_hierarchical_cache") and kwargs.get("hicache_storage_backend"):
+        raise ConfigError(
+            "sglang_kwargs: HiCache's storage tier (hicache_storage_backend) finds KV pages by their "
+            "token ids alone and keeps them through a cache flush, so pages computed under earlier "
+            "weights would be served after a refit; leave hicache_storage_backend unset"
+        )
+    return environ.get("SGLANG_EXPERIMENTAL_CPP_RADIX_TREE", "").lower() not in ("1", "true", "yes", "y")
 
 
 def sglang_request(input_ids: Any, sampling: Any, salt: str | list[str], **fields: Any) -> Any:
@@ -161,7 +180,6 @@ class SglangWorker(EngineWorker):
     engine while samples stream, so one thread runs the loop at a time."""
 
     engine_processes = ("sglang::scheduler", "sglang::detokenizer")
-    versioned_prefixes = True
 
     def _start(self) -> None:
         spec, scfg = self.spec, self.spec.engine
@@ -193,6 +211,7 @@ class SglangWorker(EngineWorker):
         if spec.dtype == "float32":
             kwargs["attention_backend"] = "triton"  # FA3 (Hopper's default) takes half precision only
         kwargs.update(spec.engine_kwargs)
+        self.versioned_prefixes = keys_prefixes_by_version(kwargs, os.environ)
         self.engine = sglang.Engine(**kwargs)
         self.version = sglang.__version__
         self.streams = StreamedRequests(self.engine)
