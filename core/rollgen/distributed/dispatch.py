@@ -138,15 +138,7 @@ class SampleDispatcher:
             with self._lock:
                 if self._closed:
                     return
-                try:
-                    self._send()
-                except Exception as exc:  # noqa: BLE001 - a fault here fails the waiting samples, not the thread
-                    logger.exception("streamed samples could not be handed to the engines")
-                    self._unsent += [
-                        self._end_of(FinishedSample(r.key, (), (), error=f"not sent: {exc}", started=False))
-                        for r in self._queue
-                    ]
-                    self._queue.clear()
+                self._send()
                 unsent, self._unsent = self._unsent, []
                 self._lock.notify_all()  # the polling thread: engines have samples
             if unsent:
@@ -154,8 +146,26 @@ class SampleDispatcher:
 
     def _send(self) -> None:
         """Hand waiting samples (and those ``start`` queued) to the engines with room (under
-        the lock); the ends of those whose call Ray refused go to the sending thread."""
+        the lock); the ends of those whose call Ray refused, or of all waiting ones if placing
+        them failed, go to the sending thread to deliver."""
         self._queue.extend(self._take_inbox())
+        try:
+            while self._queue and self._send_round():
+                pass  # a refused call freed its engine's room: place the rest again
+        except Exception as exc:  # noqa: BLE001 - a fault here fails the waiting samples, not the caller's thread
+            logger.exception("streamed samples could not be handed to the engines")
+            self._unsent += [
+                self._end_of(FinishedSample(r.key, (), (), error=f"not sent: {exc}", started=False))
+                for r in self._queue
+            ]
+            self._queue.clear()
+        if self._unsent:
+            with self._inbox_ready:
+                self._inbox_ready.notify()
+
+    def _send_round(self) -> bool:
+        """Place waiting samples on the engines with room and call each engine once (under the
+        lock); True when Ray refused a call (its samples' ends are in ``_unsent``)."""
         batches: dict[int, list[SampleRequest]] = defaultdict(list)
         while self._queue:
             room = [
@@ -170,6 +180,7 @@ class SampleDispatcher:
             self._started[engine] += 1
             self._where[request.key] = engine
             self._requests[request.key] = request
+        refused = False
         for i, requests in batches.items():
             try:
                 self._calls[self.group.workers[i].start_samples.remote(requests)] = i
@@ -183,8 +194,8 @@ class SampleDispatcher:
                     self._unsent.append(
                         self._end_of(FinishedSample(r.key, (), (), error=error, started=False))
                     )
-                with self._inbox_ready:
-                    self._inbox_ready.notify()
+                refused = True
+        return refused
 
     def _poll(self) -> None:
         while True:
@@ -274,11 +285,14 @@ class SampleDispatcher:
             self.deliver(ended)
 
     def _ended(self, engine: int, ended: list[FinishedSample]) -> None:
-        """Report the samples ``ended`` of ``engine`` (each with its restarts) and send more."""
+        """Report the samples ``ended`` of ``engine`` (each with its restarts) and send more; a
+        report of a sample no longer on ``engine`` (taken out and sent elsewhere meanwhile, or
+        failed) is dropped."""
         with self._lock:
+            ended = [s for s in ended if self._where.get(s.key) == engine]
             for sample in ended:
-                if self._where.pop(sample.key, None) is not None:
-                    self._load[engine] -= 1
+                del self._where[sample.key]
+                self._load[engine] -= 1
             ended = [self._end_of(s) for s in ended]
             self._send()
         if ended:
