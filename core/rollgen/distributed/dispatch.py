@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import threading
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import ray
@@ -154,10 +154,7 @@ class SampleDispatcher:
                 pass  # a refused call freed its engine's room: place the rest again
         except Exception as exc:  # noqa: BLE001 - a fault here fails the waiting samples, not the caller's thread
             logger.exception("streamed samples could not be handed to the engines")
-            self._unsent += [
-                self._end_of(FinishedSample(r.key, (), (), error=f"not sent: {exc}", started=False))
-                for r in self._queue
-            ]
+            self._not_sent(self._queue, f"not sent: {exc}")
             self._queue.clear()
         if self._unsent:
             with self._inbox_ready:
@@ -186,16 +183,20 @@ class SampleDispatcher:
                 self._calls[self.group.workers[i].start_samples.remote(requests)] = i
             except Exception as exc:  # noqa: BLE001 - Ray refused the call: its samples fail, not the thread
                 logger.error("%s: samples could not be sent: %s", self.group.names[i], exc)
-                error = f"{self.group.names[i]}: samples could not be sent to it: {exc}"
                 for r in requests:
                     del self._where[r.key]
                     self._load[i] -= 1
                     self._started[i] -= 1
-                    self._unsent.append(
-                        self._end_of(FinishedSample(r.key, (), (), error=error, started=False))
-                    )
+                self._not_sent(requests, f"{self.group.names[i]}: samples could not be sent to it: {exc}")
                 refused = True
         return refused
+
+    def _not_sent(self, requests: Iterable[SampleRequest], error: str) -> None:
+        """The ends of ``requests``, never started, failed with ``error``, for the sending thread
+        to deliver (under the lock)."""
+        self._unsent += [
+            self._end_of(FinishedSample(r.key, (), (), error=error, started=False)) for r in requests
+        ]
 
     def _poll(self) -> None:
         while True:
