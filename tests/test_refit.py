@@ -29,6 +29,7 @@ from rollgen.refit import (
     gpu_bucket_bytes,
     iter_buckets,
     merge_buckets,
+    named_tensors,
     nonfinite,
     pack_bucket,
     release_staged,
@@ -88,6 +89,30 @@ def test_tied_weights_are_sent_once() -> None:
     model.head = torch.nn.Linear(4, 8, bias=False)
     model.head.weight = model.embed.weight
     assert [m.name for b in iter_buckets(model, "tensors") for m in b.metas] == ["embed.weight"]
+
+
+def test_only_a_tensor_that_is_another_under_a_second_name_is_dropped() -> None:
+    """Tensors at one address are one only where they are read the same way (``named_tensors``
+    compares them whole only when their addresses meet)."""
+    w = torch.arange(12.0).reshape(3, 4)
+    source = {
+        "w": w,
+        "tied": w,  # the same tensor again: dropped
+        "same_view": w.view(3, 4),  # another object, read the same way: dropped
+        "first_row": w[0],  # the same address, another shape: kept
+        "transposed": w.t(),  # the same address, other strides: kept
+        "copy": w.clone(),  # the same values elsewhere: kept
+        "empty_a": torch.empty(0),
+        "empty_b": torch.empty(0),  # empty tensors are never dropped
+    }
+    assert [n for n, _ in named_tensors(source)] == [
+        "w",
+        "first_row",
+        "transposed",
+        "copy",
+        "empty_a",
+        "empty_b",
+    ]
 
 
 def test_buckets_are_bounded_and_cast() -> None:

@@ -162,13 +162,23 @@ def named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> Itera
     one under a second name (tied weights, e.g. ``lm_head.weight`` of a model that ties it to the
     embeddings) is given once: the engine's model ties them the same way."""
     items = source.state_dict().items() if isinstance(source, torch.nn.Module) else source.items()
-    seen: set[tuple[Any, ...]] = set()
+    # by address first: only tensors that share one are compared whole (a refit reads every
+    # tensor's key each step, and a trainer's model has hundreds)
+    seen: dict[int, list[torch.Tensor]] = {}
     for name, tensor in items:
-        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
-        if tensor.numel() and key in seen:
+        at = seen.get(tensor.data_ptr())
+        if at is None:
+            seen[tensor.data_ptr()] = [tensor]
+        elif tensor.numel() and any(_identity(t) == _identity(tensor) for t in at):
             continue
-        seen.add(key)
+        else:
+            at.append(tensor)
         yield name, tensor.detach() if tensor.requires_grad else tensor
+
+
+def _identity(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors one: where they lie and how they are read."""
+    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
 
 
 def gpu_bucket_bytes(free_bytes: int) -> int:
