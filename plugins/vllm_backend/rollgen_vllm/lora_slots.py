@@ -4,11 +4,12 @@ vLLM keeps each active LoRA in a slot of every LoRA layer's stacked buffers
 (``lora_a_stacked[i][slot]``, ``lora_b_stacked[i][slot]``), copied there from a LoRA model it
 first builds in host memory, module by module. rollgen writes a new adapter version from the
 refit's tensors into a free slot in three fused passes (zero the slot, copy A and B, scale B by
-``alpha / rank``, as vLLM scales it), then registers the version with vLLM's LoRA manager as
-active in that slot, so a request naming its ``lora_int_id`` decodes with it and vLLM copies
-nothing. vLLM holds no other copy of such a version: rollgen never lets vLLM evict one (the
-engine has as many slots as ``lora.max_versions``; rollgen frees a version before it adds one),
-and a version vLLM tried to bring back into a slot raises rather than serving the model alone.
+``alpha / rank``, as vLLM scales it; the views into each slot are made once), then registers
+the version with vLLM's LoRA manager as active in that slot, so a request naming its
+``lora_int_id`` decodes with it and vLLM copies nothing. vLLM holds no other copy of such a
+version: rollgen never lets vLLM evict one (the engine has as many slots as
+``lora.max_versions``; rollgen frees a version before it adds one), and a version vLLM tried
+to bring back into a slot raises rather than serving the model alone.
 This covers plain linear LoRA layers (every projection of a dense model); an adapter of any
 other layer goes vLLM's own way (``LoraSlots``)."""
 
@@ -82,6 +83,11 @@ class LoraSlots:
             for i, part in enumerate(parts)
         }
         self.targets: dict[str, Target | None] = {}
+        #: Views into the slots, made once (slicing ~800 views a write costs milliseconds):
+        #: (module, slot) → the stacked buffers they view, each part's A and B in the slot;
+        #: (module, slot, part, is_a, shape) → where a tensor of that shape is copied.
+        self._slots: dict[tuple[str, int], tuple[tuple[Any, Any], list[torch.Tensor]]] = {}
+        self._dsts: dict[tuple[str, int, int, bool, torch.Size], torch.Tensor] = {}
 
     def target(self, name: str) -> Target | None:
         """Where the adapter tensor ``name`` (PEFT's) is written; None: not into a plain
@@ -140,16 +146,16 @@ class LoraSlots:
             if module not in grouped:
                 layer.reset_lora(index)  # a layer the adapter leaves alone
                 continue
-            zero += [stacked[index] for stacked in (*layer.lora_a_stacked, *layer.lora_b_stacked)]
+            zero += self._slot(module, layer, index)
             a, b = grouped[module]
             if layer.tp_size > 1:  # this rank's shard, as vLLM's set_lora takes it
                 a, b = _sliced(layer, a, b)
-            for i, (a_i, b_i) in enumerate(zip(a, b, strict=True)):
+            for part, (a_i, b_i) in enumerate(zip(a, b, strict=True)):
                 if a_i is not None:
-                    dsts.append(layer.lora_a_stacked[i][index, 0, : a_i.shape[0], : a_i.shape[1]])
+                    dsts.append(self._dst(module, index, part, True, a_i.shape))
                     srcs.append(a_i)
                 if b_i is not None:
-                    dst = layer.lora_b_stacked[i][index, 0, : b_i.shape[0], : b_i.shape[1]]
+                    dst = self._dst(module, index, part, False, b_i.shape)
                     dsts.append(dst)
                     srcs.append(b_i)
                     scaled.append(dst)
@@ -157,6 +163,29 @@ class LoraSlots:
         torch._foreach_copy_(dsts, srcs)
         if scaling != 1.0:
             torch._foreach_mul_(scaled, scaling)
+
+    def _slot(self, module: str, layer: Any, index: int) -> list[torch.Tensor]:
+        """Slot ``index`` of each of ``layer``'s stacked A and B buffers (views made once; made
+        again where vLLM replaced the buffers)."""
+        stacked = (layer.lora_a_stacked, layer.lora_b_stacked)
+        held = self._slots.get((module, index))
+        if held is None or held[0][0] is not stacked[0] or held[0][1] is not stacked[1]:
+            held = (stacked, [buffer[index] for buffer in (*stacked[0], *stacked[1])])
+            self._slots[module, index] = held
+            for key in [k for k in self._dsts if k[:2] == (module, index)]:
+                del self._dsts[key]  # views of the buffers replaced
+        return held[1]
+
+    def _dst(self, module: str, index: int, part: int, is_a: bool, shape: torch.Size) -> torch.Tensor:
+        """Where part ``part``'s A (``is_a``) or B of ``shape`` goes in slot ``index`` of
+        ``module`` (after ``_slot`` for it)."""
+        key = (module, index, part, is_a, shape)
+        dst = self._dsts.get(key)
+        if dst is None:
+            layer = self.layers[module]
+            buffer = (layer.lora_a_stacked if is_a else layer.lora_b_stacked)[part]
+            dst = self._dsts[key] = buffer[index, 0, : shape[0], : shape[1]]
+        return dst
 
     def _add_built(
         self, version: int, named: Sequence[tuple[str, torch.Tensor]], setup: dict[str, Any]
