@@ -85,6 +85,8 @@ class WeightUpdates:
         #: The adapter versions the engines hold (None: no ``lora`` in the config).
         self.adapters = None if lora is None else AdapterVersions(lora["max_versions"])
         self._adapter_spec: AdapterSpec | None = None
+        #: The layout of the last adapter that passed the checks against ``adapter_spec``.
+        self._checked_adapter: tuple[Any, ...] | None = None
 
     @property
     def spec(self) -> WeightSpec:
@@ -235,9 +237,12 @@ class WeightUpdates:
         named = adapter_tensors(source)
         check_dtype(dtype)
         check_readable(named)
-        check_against_spec(
-            (TensorMeta.of(n, t, dtype) for n, t in named), self.adapter_spec.weights, adapter=True
-        )
+        layout = (dtype, tuple((n, t.shape, t.dtype) for n, t in named))
+        if layout != self._checked_adapter:  # a trainer refits the same adapter layout every step
+            check_against_spec(
+                (TensorMeta.of(n, t, dtype) for n, t in named), self.adapter_spec.weights, adapter=True
+            )
+            self._checked_adapter = layout
         if check_finite:
             require_finite(named)
         facts = self._engines.facts
