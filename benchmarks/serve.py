@@ -28,6 +28,7 @@ import statistics
 import threading
 import time
 import traceback
+import zlib
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
@@ -75,6 +76,22 @@ Outcome = tuple[int, float]
 
 def prompts(n: int, vocab: int, length: int = PROMPT_LEN, seed: int = 0) -> list[list[int]]:
     return [list(map(int, row)) for row in random_prompts(n, length, vocab, seed).tolist()]
+
+
+def load_prompts(args: argparse.Namespace, vocab: int, kind: str, level: int, round_: int) -> list[list[int]]:
+    """The prompts of one contestant's load at ``level`` in round ``round_``: with
+    ``--same-prompts`` the same for every contestant (whose tokens can then be compared), else
+    prompts of their own for each ``kind`` of load, level and round, so that no load decodes
+    from prefixes an earlier one left in the engine's prefix cache (a server and raw vLLM's
+    streaming the same kind of load get the same prompts: they run on engines of their own)."""
+    seed = 0 if args.same_prompts else zlib.crc32(f"{kind}/{level}/{round_}".encode())
+    return prompts(requests_for(level, args.requests, args.waves), vocab, args.prompt_len, seed)
+
+
+def rotated(names: list[str], round_: int) -> list[str]:
+    """``names`` in round ``round_``'s order: each round starts one later (A B C, B C A, ...)."""
+    shift = round_ % len(names) if names else 0
+    return names[shift:] + names[:shift]
 
 
 def requests_for(level: int, least: int, waves: int) -> int:
@@ -403,15 +420,17 @@ def measured(
     return row
 
 
-def record(rows: list[dict[str, Any]], name: str, level: int, measure: Callable[[], dict[str, Any]]) -> None:
-    """Adds ``measure()``'s row to ``rows`` and prints it; a load that failed (an HTTP error, a
-    lost connection, rollgen's error) is logged and added as a row with its ``error``, so that
-    the other contestants are still measured."""
+def record(
+    rows: list[dict[str, Any]], name: str, level: int, measure: Callable[[], dict[str, Any]], round_: int = 0
+) -> None:
+    """Adds ``measure()``'s row (of round ``round_``) to ``rows`` and prints it; a load that
+    failed (an HTTP error, a lost connection, rollgen's error) is logged and added as a row with
+    its ``error``, so that the other contestants are still measured."""
     try:
-        rows.append(measure())
+        rows.append({**measure(), "round": round_})
     except (RuntimeError, aiohttp.ClientError, RollgenError) as exc:
         logger.error("%s at %d in flight failed: %s", name, level, exc)
-        rows.append({"contestant": name, "in_flight": level, "error": str(exc)[-2000:]})
+        rows.append({"contestant": name, "in_flight": level, "round": round_, "error": str(exc)[-2000:]})
         return
     print_table(rows[-1:], COLUMNS)
 
@@ -442,6 +461,8 @@ def submit_contestant(
 
 #: The in-process contestant submitting as the server does a streamed request (``--stream``).
 STREAMED_SUBMIT = "in-process submit, streamed"
+#: The kind of load a server's streamed answers are (``load_prompts``).
+SERVED = "served"
 #: The contestant of a server's answers not streamed, beside its streamed one (``--plain``).
 NOT_STREAMED = ", not streamed"
 
@@ -461,38 +482,44 @@ def measure_rollgen(
     serve" + label``; ``plain``: also with answers not streamed), then (``submit``) in-process
     ``submit``, each row added to ``rows`` and printed as it is measured."""
     body = completion_body(server.model_id, args.max_tokens, args.temperature, args.stream)
+    whole = completion_body(server.model_id, args.max_tokens, args.temperature, False)
     name = "rollgen serve" + label
     for level in args.in_flight:
-        load = prompts(requests_for(level, args.requests, args.waves), vocab, args.prompt_len)
-        contestants = {name: http_contestant(clients, server.url, server.api_key, body, load, level)}
-        if submit:
-            contestants["in-process submit"] = submit_contestant(
-                gen, args.max_tokens, args.temperature, load, level
-            )
-            if args.stream:
-                contestants[STREAMED_SUBMIT] = submit_contestant(
-                    gen, args.max_tokens, args.temperature, load, level, stream=True
+        for round_ in range(args.rounds):
+
+            def load(kind: str, level: int = level, round_: int = round_) -> list[list[int]]:
+                return load_prompts(args, vocab, kind, level, round_)
+
+            contestants = {
+                name: http_contestant(clients, server.url, server.api_key, body, load(SERVED), level)
+            }
+            if submit:
+                contestants["in-process submit"] = submit_contestant(
+                    gen, args.max_tokens, args.temperature, load("submit"), level
                 )
-        if plain and args.stream:
-            whole = completion_body(server.model_id, args.max_tokens, args.temperature, False)
-            contestants[name + NOT_STREAMED] = http_contestant(
-                clients, server.url, server.api_key, whole, load, level
-            )
-        for who, run in contestants.items():
-            http = who.startswith("rollgen serve")
-            apart, front = http and len(clients) > 0, server.front_pid if http else None
-            measure = partial(
-                measured,
-                who,
-                level,
-                run,
-                psutil.Process().pid,
-                apart,
-                front,
-                generation_running(gen),
-                StartCalls.of(gen),
-            )
-            record(rows, who, level, measure)
+                if args.stream:
+                    contestants[STREAMED_SUBMIT] = submit_contestant(
+                        gen, args.max_tokens, args.temperature, load("submit streamed"), level, stream=True
+                    )
+            if plain and args.stream:
+                contestants[name + NOT_STREAMED] = http_contestant(
+                    clients, server.url, server.api_key, whole, load(SERVED + NOT_STREAMED), level
+                )
+            for who in rotated(list(contestants), round_):
+                http = who.startswith("rollgen serve")
+                apart, front = http and len(clients) > 0, server.front_pid if http else None
+                measure = partial(
+                    measured,
+                    who,
+                    level,
+                    contestants[who],
+                    psutil.Process().pid,
+                    apart,
+                    front,
+                    generation_running(gen),
+                    StartCalls.of(gen),
+                )
+                record(rows, who, level, measure, round_)
     return rows
 
 
@@ -521,6 +548,17 @@ def add_load_arguments(parser: argparse.ArgumentParser, **defaults: Any) -> None
     )
     parser.add_argument(
         "--waves", type=int, default=defaults.get("waves", 1), help="requests per level: this x in-flight"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="loads of each contestant per level, interleaved (each round starts one contestant later)",
+    )
+    parser.add_argument(
+        "--same-prompts",
+        action="store_true",
+        help="every load the same prompts (default: each contestant, level and round its own)",
     )
     parser.add_argument("--max-tokens", type=int, default=defaults.get("max_tokens", 16))
     parser.add_argument("--temperature", type=float, default=defaults.get("temperature", 0.0))

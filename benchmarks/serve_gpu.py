@@ -23,8 +23,12 @@ time, median time to first token (streamed: the first chunk's arrival; each serv
 carries the first token), and CPU ms per request of the load generator, the server's process
 (rollgen: this process, rollgen's driver, and the HTTP side with ``--front thread``; raw: the
 API server process), rollgen's HTTP side's own process (``front_cpu_ms``) and the rest of the
-machine (engine processes, Ray). Then the ratios rollgen / raw, streamed and not, and
-rollgen serve / in-process submit (each). Results: ``serve_gpu_rows.json``, ``serve_gpu_ratios.json``,
+machine (engine processes, Ray). Each load has prompts of its own (``serve.load_prompts``: none
+decodes from prefixes an earlier load left in the prefix cache; a server and raw vLLM's of one
+kind share theirs); ``--rounds N`` runs each contestant N times per level, interleaved. Then the
+ratios rollgen / raw (of the medians over rounds), streamed and not, and rollgen serve /
+in-process submit (each: the median of the rounds' paired ratios, with a 95% interval from
+three rounds). Results: ``serve_gpu_rows.json``, ``serve_gpu_ratios.json``,
 ``serve_gpu_settings.json`` (the raw server's command line) and ``vllm_serve.log`` in ``--out``;
 rows are saved as measured.
 
@@ -52,6 +56,7 @@ import resource
 import secrets
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -67,6 +72,7 @@ import torch
 import rollgen
 from benchmarks import serve
 from benchmarks.common import PROMPT, print_table, qwen25_1p5b_dir, save_all
+from benchmarks.pooled import median_interval
 from rollgen.testing.config import tiny_config
 from rollgen.testing.tiny_model import tiny_model_dir
 
@@ -77,15 +83,16 @@ NOT_FOR_RAW = ("worker_extension_cls", "skip_tokenizer_init", "distributed_execu
 RAW = "raw vllm serve"
 #: How long the raw server may take to answer ``/v1/models`` after its start.
 START_TIMEOUT_S = 400.0
+#: The columns of rollgen serve's row that ``ratios`` divides by raw vLLM's.
+RATIO_KEYS = ["tokens_per_s", "median_ttft_s", "median_answer_s", "p99_answer_s", "server_cpu_ms"]
 RATIO_COLUMNS = [
     "in_flight",
-    "tokens_per_s",
-    "median_ttft_s",
-    "median_answer_s",
-    "p99_answer_s",
-    "server_cpu_ms",
+    "rounds",
+    *RATIO_KEYS,
     "plain_tokens_per_s",
     "serve_vs_submit",
+    "serve_vs_submit_low",
+    "serve_vs_submit_high",
     "serve_vs_streamed_submit",
     "plain_serve_vs_submit",
 ]
@@ -264,49 +271,66 @@ def wait_gpu_released(util: float, timeout_s: float = 120.0) -> None:
 def measure_raw(
     raw: RawServer, clients: serve.LoadClients, args: argparse.Namespace, vocab: int, rows: list[Any]
 ) -> list[dict[str, Any]]:
-    """The raw server at each level (``--stream`` as rollgen's; then, with ``--plain``, at
-    each level not streamed), each row added to ``rows`` and printed as it is measured."""
+    """The raw server at each level, ``--rounds`` times (``--stream`` as rollgen's; with
+    ``--plain`` also not streamed, interleaved), each load the prompts of rollgen serve's of its
+    kind, each row added to ``rows`` and printed as it is measured."""
     assert raw.proc is not None
     bodies = {RAW: args.stream}
     if args.plain and args.stream:
         bodies[RAW + serve.NOT_STREAMED] = False
-    for name, stream in bodies.items():
-        for level in args.in_flight:
-            load = serve.prompts(serve.requests_for(level, args.requests, args.waves), vocab, args.prompt_len)
-            body = serve.completion_body(raw.model_id, args.max_tokens, args.temperature, stream)
-            run = serve.http_contestant(clients, raw.url, raw.key, body, load, level)
-            measure = partial(serve.measured, name, level, run, raw.proc.pid, len(clients) > 0)
-            serve.record(rows, name, level, measure)
+    for level in args.in_flight:
+        for round_ in range(args.rounds):
+            for name in serve.rotated(list(bodies), round_):
+                kind = serve.SERVED + name.removeprefix(RAW)
+                load = serve.load_prompts(args, vocab, kind, level, round_)
+                body = serve.completion_body(raw.model_id, args.max_tokens, args.temperature, bodies[name])
+                run = serve.http_contestant(clients, raw.url, raw.key, body, load, level)
+                measure = partial(serve.measured, name, level, run, raw.proc.pid, len(clients) > 0)
+                serve.record(rows, name, level, measure, round_)
     return rows
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """At each level: rollgen serve / raw vllm serve (streamed, each column); not streamed, the
+    """At each level: rollgen serve / raw vllm serve (streamed, each column, of the medians over
+    the rounds: the two ran on engines of their own, one after the other); not streamed, the
     throughputs' ratio (None without ``--plain``); rollgen serve / in-process submit's
-    throughput, streamed and not, and rollgen serve / the streamed in-process submit's."""
-    by = {(r["contestant"], r["in_flight"]): r for r in serve.measured_rows(rows)}
-    out = []
+    throughput, streamed and not, and rollgen serve / the streamed in-process submit's, each the
+    median of the rounds' ratios (paired: the contestants of a round ran one after another on
+    one engine), with a bootstrap 95% interval of it over three rounds or more."""
+    measured = serve.measured_rows(rows)
+    rounds: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    for r in measured:
+        rounds.setdefault((r["contestant"], r["in_flight"]), {})[r.get("round", 0)] = r
     plain = serve.NOT_STREAMED
-    for level in sorted({r["in_flight"] for r in rows}):
-        raw, ours = by.get((RAW, level)), by.get(("rollgen serve", level))
-        submit = by.get(("in-process submit", level))
-        if raw is None or ours is None or submit is None:
+
+    def median(contestant: str, level: int, key: str) -> float | None:
+        values = [r[key] for r in rounds.get((contestant, level), {}).values() if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    def over(key: str, ours: float | None, theirs: float | None) -> dict[str, Any]:
+        return {key: ours / theirs if ours is not None and theirs else None}
+
+    def paired(key: str, ours: str, theirs: str, level: int) -> dict[str, Any]:
+        a, b = rounds.get((ours, level), {}), rounds.get((theirs, level), {})
+        each = [a[i]["tokens_per_s"] / b[i]["tokens_per_s"] for i in sorted(set(a) & set(b))]
+        low, high = median_interval(each) if len(each) >= 3 else (None, None)
+        return {key: statistics.median(each) if each else None, f"{key}_low": low, f"{key}_high": high}
+
+    out = []
+    for level in sorted({r["in_flight"] for r in measured}):
+        if not all((name, level) in rounds for name in (RAW, "rollgen serve", "in-process submit")):
             continue
-        row: dict[str, Any] = {"in_flight": level}
-        for key in RATIO_COLUMNS[1:6]:
-            row[key] = ours[key] / raw[key] if raw[key] else None
-        ours_plain, raw_plain = by.get(("rollgen serve" + plain, level)), by.get((RAW + plain, level))
-        row["plain_tokens_per_s"] = (
-            ours_plain["tokens_per_s"] / raw_plain["tokens_per_s"] if ours_plain and raw_plain else None
+        row: dict[str, Any] = {"in_flight": level, "rounds": len(rounds["rollgen serve", level])}
+        for key in RATIO_KEYS:
+            row |= over(key, median("rollgen serve", level, key), median(RAW, level, key))
+        row |= over(
+            "plain_tokens_per_s",
+            median("rollgen serve" + plain, level, "tokens_per_s"),
+            median(RAW + plain, level, "tokens_per_s"),
         )
-        row["serve_vs_submit"] = ours["tokens_per_s"] / submit["tokens_per_s"]
-        streamed = by.get((serve.STREAMED_SUBMIT, level))
-        row["serve_vs_streamed_submit"] = (
-            ours["tokens_per_s"] / streamed["tokens_per_s"] if streamed else None
-        )
-        row["plain_serve_vs_submit"] = (
-            ours_plain["tokens_per_s"] / submit["tokens_per_s"] if ours_plain else None
-        )
+        row |= paired("serve_vs_submit", "rollgen serve", "in-process submit", level)
+        row |= paired("serve_vs_streamed_submit", "rollgen serve", serve.STREAMED_SUBMIT, level)
+        row |= paired("plain_serve_vs_submit", "rollgen serve" + plain, "in-process submit", level)
         out.append(row)
     return out
 

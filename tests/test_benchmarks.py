@@ -335,9 +335,11 @@ def test_the_serve_benchmark_runs_both_contestants(tmp_path) -> None:  # type: i
     from benchmarks import serve
 
     argv = ["--requests", "4", "--in-flight", "1,2", "--max-tokens", "3", "--stream", "--clients", "1"]
+    # the same prompts for every load, whose tokens are compared; two rounds of each
+    argv += ["--same-prompts", "--rounds", "2"]
     rows = serve.main([*argv, "--front", "both", "--out", str(tmp_path)])
-    assert sorted((r["contestant"], r["in_flight"]) for r in rows) == sorted(
-        (name, level)
+    assert sorted((r["contestant"], r["in_flight"], r["round"]) for r in rows) == sorted(
+        (name, level, round_)
         for name in (
             "in-process submit",
             "in-process submit, streamed",
@@ -345,8 +347,9 @@ def test_the_serve_benchmark_runs_both_contestants(tmp_path) -> None:  # type: i
             "rollgen serve (thread front)",
         )
         for level in (1, 2)
+        for round_ in (0, 1)
     )
-    by_name = {r["contestant"]: r for r in rows if r["in_flight"] == 2}
+    by_name = {r["contestant"]: r for r in rows if r["in_flight"] == 2 and r["round"] == 1}
     served, threaded = by_name["rollgen serve"], by_name["rollgen serve (thread front)"]
     streamed = by_name["in-process submit, streamed"]
     assert served["tokens"] == threaded["tokens"] == by_name["in-process submit"]["tokens"] > 0
@@ -359,6 +362,55 @@ def test_the_serve_benchmark_runs_both_contestants(tmp_path) -> None:  # type: i
     assert threaded["front_cpu_ms"] is None
     assert served["engine_calls"] is None, "an in-process engine: no calls to count"
     assert (tmp_path / "serve.json").is_file()
+
+
+def test_each_load_has_prompts_of_its_own_unless_all_are_to_be_the_same() -> None:
+    """No contestant decodes from prefixes an earlier load cached: each kind of load, level and
+    round has prompts of its own (a server and raw vLLM's of one kind share theirs), and rounds
+    rotate the contestants' order."""
+    from argparse import Namespace
+
+    from benchmarks.serve import load_prompts, rotated
+
+    args = Namespace(same_prompts=False, requests=4, waves=1, prompt_len=8)
+    first = load_prompts(args, 100, "served", 2, 0)
+    assert len(first) == 4 and all(len(p) == 8 for p in first)
+    assert load_prompts(args, 100, "served", 2, 0) == first
+    others = [("submit", 2, 0), ("served", 4, 0), ("served", 2, 1)]
+    assert all(load_prompts(args, 100, *other)[0] != first[0] for other in others)
+    args.same_prompts = True
+    assert load_prompts(args, 100, "submit", 2, 1) == load_prompts(args, 100, "served", 2, 0)
+    assert [rotated(["a", "b", "c"], r) for r in range(4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
+
+
+def test_serve_over_submit_is_paired_by_round_and_serve_over_raw_takes_medians() -> None:
+    from benchmarks.serve_gpu import ratios
+
+    base = {"in_flight": 8, "median_ttft_s": 1.0, "median_answer_s": 1.0, "p99_answer_s": 2.0}
+    rows = []
+    for round_, (served, submitted, raw) in enumerate(
+        [(90.0, 100.0, 80.0), (45.0, 50.0, 100.0), (99.0, 100.0, 120.0)]
+    ):
+        for name, rate in (
+            ("rollgen serve", served),
+            ("in-process submit", submitted),
+            ("raw vllm serve", raw),
+        ):
+            rows.append(
+                {"contestant": name, "round": round_, **base, "tokens_per_s": rate, "server_cpu_ms": 1.0}
+            )
+    (ratio,) = ratios(rows)
+    # per round 0.9, 0.9, 0.99 (the second round's machine ran at half the rate: pairing keeps it)
+    assert ratio["rounds"] == 3 and ratio["serve_vs_submit"] == 0.9
+    assert ratio["serve_vs_submit_low"] <= 0.9 <= ratio["serve_vs_submit_high"] <= 0.99
+    assert ratio["tokens_per_s"] == 90.0 / 100.0  # the medians' ratio: unpaired engines
+    rows.append({"contestant": "rollgen serve", "round": 3, "in_flight": 8, "error": "lost"})
+    assert ratios(rows)[0]["rounds"] == 3  # a failed load counts in no ratio
 
 
 def test_the_raw_server_gets_rollgens_engine_arguments_as_flags() -> None:
