@@ -81,9 +81,9 @@ def prompts(n: int, vocab: int, length: int = PROMPT_LEN, seed: int = 0) -> list
 def load_prompts(args: argparse.Namespace, vocab: int, kind: str, level: int, round_: int) -> list[list[int]]:
     """The prompts of one contestant's load at ``level`` in round ``round_``: with
     ``--same-prompts`` the same for every contestant (whose tokens can then be compared), else
-    prompts of their own for each ``kind`` of load, level and round, so that no load decodes
-    from prefixes an earlier one left in the engine's prefix cache (a server and raw vLLM's
-    streaming the same kind of load get the same prompts: they run on engines of their own)."""
+    prompts of their own for each ``kind`` of load (the contestant's name), level and round, so
+    that no load decodes from prefixes an earlier one left in the engine's prefix cache (raw
+    vLLM's server gets rollgen serve's: they run on engines of their own)."""
     seed = 0 if args.same_prompts else zlib.crc32(f"{kind}/{level}/{round_}".encode())
     return prompts(requests_for(level, args.requests, args.waves), vocab, args.prompt_len, seed)
 
@@ -233,8 +233,14 @@ async def http_load(
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         one = over_http(session, url, key, body)
-        await drive(requests[:warmup], in_flight, one)
+        await drive(warmup_prompts(requests, warmup), in_flight, one)
         return await drive(requests, in_flight, one)
+
+
+def warmup_prompts(requests: list[list[int]], n: int) -> list[list[int]]:
+    """What a load runs untimed first: its first ``n`` prompts reversed (as long, and sharing no
+    prefix with any of the load's, whose prefill the timed load then decodes as any other)."""
+    return [p[::-1] for p in requests[:n]]
 
 
 def _client(conn: multiprocessing.connection.Connection) -> None:
@@ -453,7 +459,7 @@ def submit_contestant(
 ) -> Callable[[], list[dict[str, Any]]]:
     async def both() -> dict[str, Any]:
         one = in_process(gen, max_tokens, temperature, stream)
-        await drive(load[: min(WARMUP, level)], level, one)
+        await drive(warmup_prompts(load, min(WARMUP, level)), level, one)
         return await drive(load, level, one)
 
     return lambda: [asyncio.run(both())]
@@ -461,8 +467,8 @@ def submit_contestant(
 
 #: The in-process contestant submitting as the server does a streamed request (``--stream``).
 STREAMED_SUBMIT = "in-process submit, streamed"
-#: The kind of load a server's streamed answers are (``load_prompts``).
-SERVED = "served"
+#: rollgen's server, whose loads' prompts (``load_prompts``) another server's are given.
+SERVED = "rollgen serve"
 #: The contestant of a server's answers not streamed, beside its streamed one (``--plain``).
 NOT_STREAMED = ", not streamed"
 
@@ -491,19 +497,19 @@ def measure_rollgen(
                 return load_prompts(args, vocab, kind, level, round_)
 
             contestants = {
-                name: http_contestant(clients, server.url, server.api_key, body, load(SERVED), level)
+                name: http_contestant(clients, server.url, server.api_key, body, load(name), level)
             }
             if submit:
                 contestants["in-process submit"] = submit_contestant(
-                    gen, args.max_tokens, args.temperature, load("submit"), level
+                    gen, args.max_tokens, args.temperature, load("in-process submit"), level
                 )
                 if args.stream:
                     contestants[STREAMED_SUBMIT] = submit_contestant(
-                        gen, args.max_tokens, args.temperature, load("submit streamed"), level, stream=True
+                        gen, args.max_tokens, args.temperature, load(STREAMED_SUBMIT), level, stream=True
                     )
             if plain and args.stream:
                 contestants[name + NOT_STREAMED] = http_contestant(
-                    clients, server.url, server.api_key, whole, load(SERVED + NOT_STREAMED), level
+                    clients, server.url, server.api_key, whole, load(name + NOT_STREAMED), level
                 )
             for who in rotated(list(contestants), round_):
                 http = who.startswith("rollgen serve")

@@ -27,8 +27,8 @@ machine (engine processes, Ray). Each load has prompts of its own (``serve.load_
 decodes from prefixes an earlier load left in the prefix cache; a server and raw vLLM's of one
 kind share theirs); ``--rounds N`` runs each contestant N times per level, interleaved. Then the
 ratios rollgen / raw (of the medians over rounds), streamed and not, and rollgen serve /
-in-process submit (each: the median of the rounds' paired ratios, with a 95% interval from
-three rounds). Results: ``serve_gpu_rows.json``, ``serve_gpu_ratios.json``,
+in-process submit (each: the median of the rounds' paired ratios, with a bootstrap interval
+from three rounds: up to five, their range). Results: ``serve_gpu_rows.json``, ``serve_gpu_ratios.json``,
 ``serve_gpu_settings.json`` (the raw server's command line) and ``vllm_serve.log`` in ``--out``;
 rows are saved as measured.
 
@@ -281,7 +281,7 @@ def measure_raw(
     for level in args.in_flight:
         for round_ in range(args.rounds):
             for name in serve.rotated(list(bodies), round_):
-                kind = serve.SERVED + name.removeprefix(RAW)
+                kind = serve.SERVED + name.removeprefix(RAW)  # rollgen serve's prompts
                 load = serve.load_prompts(args, vocab, kind, level, round_)
                 body = serve.completion_body(raw.model_id, args.max_tokens, args.temperature, bodies[name])
                 run = serve.http_contestant(clients, raw.url, raw.key, body, load, level)
@@ -296,7 +296,9 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     throughputs' ratio (None without ``--plain``); rollgen serve / in-process submit's
     throughput, streamed and not, and rollgen serve / the streamed in-process submit's, each the
     median of the rounds' ratios (paired: the contestants of a round ran one after another on
-    one engine), with a bootstrap 95% interval of it over three rounds or more."""
+    one engine), with a bootstrap percentile interval of it over three rounds or more (nominally
+    95%; with up to five rounds it is their range, min to max); ``rounds``: the pairs behind
+    ``serve_vs_submit``."""
     measured = serve.measured_rows(rows)
     rounds: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
     for r in measured:
@@ -312,7 +314,11 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     def paired(key: str, ours: str, theirs: str, level: int) -> dict[str, Any]:
         a, b = rounds.get((ours, level), {}), rounds.get((theirs, level), {})
-        each = [a[i]["tokens_per_s"] / b[i]["tokens_per_s"] for i in sorted(set(a) & set(b))]
+        each = [
+            a[i]["tokens_per_s"] / b[i]["tokens_per_s"]
+            for i in sorted(set(a) & set(b))
+            if b[i]["tokens_per_s"]
+        ]
         low, high = median_interval(each) if len(each) >= 3 else (None, None)
         return {key: statistics.median(each) if each else None, f"{key}_low": low, f"{key}_high": high}
 
@@ -320,7 +326,8 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for level in sorted({r["in_flight"] for r in measured}):
         if not all((name, level) in rounds for name in (RAW, "rollgen serve", "in-process submit")):
             continue
-        row: dict[str, Any] = {"in_flight": level, "rounds": len(rounds["rollgen serve", level])}
+        ours, submitted = rounds["rollgen serve", level], rounds["in-process submit", level]
+        row: dict[str, Any] = {"in_flight": level, "rounds": len(set(ours) & set(submitted))}
         for key in RATIO_KEYS:
             row |= over(key, median("rollgen serve", level, key), median(RAW, level, key))
         row |= over(

@@ -170,10 +170,11 @@ class LoraSlots:
         stacked = (layer.lora_a_stacked, layer.lora_b_stacked)
         held = self._slots.get((module, index))
         if held is None or held[0][0] is not stacked[0] or held[0][1] is not stacked[1]:
+            if held is not None:  # the views of the buffers replaced go
+                for key in [k for k in self._dsts if k[:2] == (module, index)]:
+                    del self._dsts[key]
             held = (stacked, [buffer[index] for buffer in (*stacked[0], *stacked[1])])
             self._slots[module, index] = held
-            for key in [k for k in self._dsts if k[:2] == (module, index)]:
-                del self._dsts[key]  # views of the buffers replaced
         return held[1]
 
     def _dst(self, module: str, index: int, part: int, is_a: bool, shape: torch.Size) -> torch.Tensor:
