@@ -492,10 +492,7 @@ def measure_rollgen(
     name = "rollgen serve" + label
     for level in args.in_flight:
         for round_ in range(args.rounds):
-
-            def load(kind: str, level: int = level, round_: int = round_) -> list[list[int]]:
-                return load_prompts(args, vocab, kind, level, round_)
-
+            load = partial(load_prompts, args, vocab, level=level, round_=round_)
             contestants = {
                 name: http_contestant(clients, server.url, server.api_key, body, load(name), level)
             }

@@ -166,13 +166,10 @@ def named_tensors(source: torch.nn.Module | Mapping[str, torch.Tensor]) -> Itera
     # tensor's key each step, and a trainer's model has hundreds)
     seen: dict[int, list[torch.Tensor]] = {}
     for name, tensor in items:
-        at = seen.get(tensor.data_ptr())
-        if at is None:
-            seen[tensor.data_ptr()] = [tensor]
-        elif tensor.numel() and any(_identity(t) == _identity(tensor) for t in at):
+        at = seen.setdefault(tensor.data_ptr(), [])
+        if at and tensor.numel() and _identity(tensor) in map(_identity, at):
             continue
-        else:
-            at.append(tensor)
+        at.append(tensor)
         yield name, tensor.detach() if tensor.requires_grad else tensor
 
 

@@ -37,6 +37,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def layout_of(named: Named, *settings: Any) -> tuple[Any, ...]:
+    """What a source's checks against the served model depend on: ``settings`` (the cast, ...)
+    and each tensor's name, shape and dtype (a trainer refits the same layout every step)."""
+    return (*settings, tuple((n, t.shape, t.dtype) for n, t in named))
+
+
 class WeightUpdates:
     """One generation's weight updates, from validation to settlement.
 
@@ -183,7 +189,7 @@ class WeightUpdates:
         check_dtype(dtype)
         named = list(named_tensors(source))
         check_readable(named)
-        layout = (dtype, partial, tuple((n, t.shape, t.dtype) for n, t in named))
+        layout = layout_of(named, dtype, partial)
         if layout != self._checked_layout:  # a trainer refits the same layout every step
             self.check((TensorMeta.of(n, t, dtype) for n, t in named), partial)
             self._checked_layout = layout
@@ -237,7 +243,7 @@ class WeightUpdates:
         named = adapter_tensors(source)
         check_dtype(dtype)
         check_readable(named)
-        layout = (dtype, tuple((n, t.shape, t.dtype) for n, t in named))
+        layout = layout_of(named, dtype)
         if layout != self._checked_adapter:  # a trainer refits the same adapter layout every step
             check_against_spec(
                 (TensorMeta.of(n, t, dtype) for n, t in named), self.adapter_spec.weights, adapter=True

@@ -83,11 +83,8 @@ class LoraSlots:
             for i, part in enumerate(parts)
         }
         self.targets: dict[str, Target | None] = {}
-        #: Views into the slots, made once (slicing ~800 views a write costs milliseconds):
-        #: (module, slot) → the stacked buffers they view, each part's A and B in the slot;
-        #: (module, slot, part, is_a, shape) → where a tensor of that shape is copied.
-        self._slots: dict[tuple[str, int], tuple[tuple[Any, Any], list[torch.Tensor]]] = {}
-        self._dsts: dict[tuple[str, int, int, bool, torch.Size], torch.Tensor] = {}
+        #: Views into the slots, made once (slicing ~800 views a write costs milliseconds).
+        self._slots: dict[tuple[str, int], _SlotViews] = {}
 
     def target(self, name: str) -> Target | None:
         """Where the adapter tensor ``name`` (PEFT's) is written; None: not into a plain
@@ -146,16 +143,17 @@ class LoraSlots:
             if module not in grouped:
                 layer.reset_lora(index)  # a layer the adapter leaves alone
                 continue
-            zero += self._slot(module, layer, index)
+            views = self._views(module, layer, index)
+            zero += views.slot
             a, b = grouped[module]
             if layer.tp_size > 1:  # this rank's shard, as vLLM's set_lora takes it
                 a, b = _sliced(layer, a, b)
             for part, (a_i, b_i) in enumerate(zip(a, b, strict=True)):
                 if a_i is not None:
-                    dsts.append(self._dst(module, index, part, True, a_i.shape))
+                    dsts.append(views.dst(part, True, a_i.shape))
                     srcs.append(a_i)
                 if b_i is not None:
-                    dst = self._dst(module, index, part, False, b_i.shape)
+                    dst = views.dst(part, False, b_i.shape)
                     dsts.append(dst)
                     srcs.append(b_i)
                     scaled.append(dst)
@@ -164,29 +162,13 @@ class LoraSlots:
         if scaling != 1.0:
             torch._foreach_mul_(scaled, scaling)
 
-    def _slot(self, module: str, layer: Any, index: int) -> list[torch.Tensor]:
-        """Slot ``index`` of each of ``layer``'s stacked A and B buffers (views made once; made
-        again where vLLM replaced the buffers)."""
-        stacked = (layer.lora_a_stacked, layer.lora_b_stacked)
-        held = self._slots.get((module, index))
-        if held is None or held[0][0] is not stacked[0] or held[0][1] is not stacked[1]:
-            if held is not None:  # the views of the buffers replaced go
-                for key in [k for k in self._dsts if k[:2] == (module, index)]:
-                    del self._dsts[key]
-            held = (stacked, [buffer[index] for buffer in (*stacked[0], *stacked[1])])
-            self._slots[module, index] = held
-        return held[1]
-
-    def _dst(self, module: str, index: int, part: int, is_a: bool, shape: torch.Size) -> torch.Tensor:
-        """Where part ``part``'s A (``is_a``) or B of ``shape`` goes in slot ``index`` of
-        ``module`` (after ``_slot`` for it)."""
-        key = (module, index, part, is_a, shape)
-        dst = self._dsts.get(key)
-        if dst is None:
-            layer = self.layers[module]
-            buffer = (layer.lora_a_stacked if is_a else layer.lora_b_stacked)[part]
-            dst = self._dsts[key] = buffer[index, 0, : shape[0], : shape[1]]
-        return dst
+    def _views(self, module: str, layer: Any, index: int) -> _SlotViews:
+        """The views into slot ``index`` of ``layer`` (made again where vLLM replaced its
+        stacked buffers)."""
+        views = self._slots.get((module, index))
+        if views is None or not views.of(layer):
+            views = self._slots[module, index] = _SlotViews(layer, index)
+        return views
 
     def _add_built(
         self, version: int, named: Sequence[tuple[str, torch.Tensor]], setup: dict[str, Any]
@@ -215,6 +197,29 @@ class LoraSlots:
         except (ValueError, RuntimeError, KeyError) as exc:
             adapters.remove_adapter(version)
             raise RefitError(f"vLLM did not take adapter version {version}: {exc}") from None
+
+
+class _SlotViews:
+    """Views into one slot of one LoRA layer's stacked buffers: the whole slot of each part's
+    A and B (``slot``), and where a part's A or B of a shape is copied (``dst``)."""
+
+    def __init__(self, layer: Any, index: int) -> None:
+        self.stacked = (layer.lora_a_stacked, layer.lora_b_stacked)
+        self.index = index
+        self.slot: list[torch.Tensor] = [buffer[index] for buffer in (*self.stacked[0], *self.stacked[1])]
+        self._dsts: dict[tuple[int, bool, torch.Size], torch.Tensor] = {}
+
+    def of(self, layer: Any) -> bool:
+        """Whether these view ``layer``'s buffers as they are now."""
+        return self.stacked[0] is layer.lora_a_stacked and self.stacked[1] is layer.lora_b_stacked
+
+    def dst(self, part: int, is_a: bool, shape: torch.Size) -> torch.Tensor:
+        key = (part, is_a, shape)
+        view = self._dsts.get(key)
+        if view is None:
+            buffer = self.stacked[0 if is_a else 1][part]
+            view = self._dsts[key] = buffer[self.index, 0, : shape[0], : shape[1]]
+        return view
 
 
 def _plain(layer: Any) -> bool:
