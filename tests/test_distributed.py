@@ -340,6 +340,35 @@ def test_a_streaming_sample_of_a_dead_engine_continues_from_the_tokens_it_stream
     assert last.logprobs == (-0.1, -0.2, -0.5, -0.6, -0.7)
 
 
+def test_an_answer_that_cannot_be_read_fails_its_engines_samples_not_the_polling_thread() -> None:
+    """A poll answered with something the dispatcher cannot read (a stand-in for a broken
+    engine: the real one cannot be made to send it) ends that engine's samples with an error
+    naming it and takes it out of service; the polling thread goes on (before, it died and
+    every sample waited for ever)."""
+    from rollgen.distributed.dispatch import SampleDispatcher
+    from rollgen.distributed.replicas import Replicas
+    from rollgen.rollout import FinishedSample, SampleRequest
+    from rollgen.sampling import SampleParams
+
+    group = _StandInGroup()
+    group.get = lambda refs, names=None: [(None, [])]  # type: ignore[attr-defined]
+    replicas = Replicas(group, "stand-in", replaces=True)  # type: ignore[arg-type]
+    ended: list[FinishedSample] = []
+    dispatcher = SampleDispatcher(replicas, ended.extend, lambda e: None)
+    params = SampleParams(1.0, 1.0, -1, 10, (), (2,), 7)
+    with dispatcher._lock:  # as start() does, without its polling thread
+        dispatcher._queue.extend([SampleRequest("0:0:0", (5, 6), params, replica=0)])
+        dispatcher._send()
+        ref = object()
+        dispatcher._polls[ref] = 0
+    dispatcher._answer(ref)  # raised AttributeError before
+    (failed,) = ended
+    assert failed.key == "0:0:0" and failed.error and "engine 0" in failed.error
+    assert "could not be read" in failed.error
+    assert not replicas.in_service(0) and replicas.in_service(1)
+    assert dispatcher._load == [0, 0]
+
+
 def _unanswered(refs: list[Any], num_returns: int, timeout: float) -> tuple[list[Any], list[Any]]:
     """A stand-in for ``ray.wait``: the stand-in group's calls are never answered."""
     time.sleep(timeout)

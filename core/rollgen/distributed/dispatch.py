@@ -23,7 +23,7 @@ from typing import Any
 import ray
 
 from rollgen.distributed.replicas import Replicas
-from rollgen.errors import RollgenError, WorkerError
+from rollgen.errors import OutputError, RollgenError, WorkerError
 from rollgen.rollout import FinishedSample, ReplicaLoad, SampleProgress, SampleRequest
 
 logger = logging.getLogger(__name__)
@@ -235,6 +235,11 @@ class SampleDispatcher:
             if not (isinstance(exc, WorkerError) and exc.died and self.replicas.died(engine, exc)):
                 self._failed(engine, name, exc)
                 return
+        except Exception as exc:  # noqa: BLE001 - an answer that cannot be read fails its engine, not this thread
+            logger.exception("%s: its answer could not be read", name)
+            error = OutputError(f"its answer could not be read ({exc!r}); it is out of service")
+            self._failed(engine, name, error)
+            return
         self._ended(engine, [dataclasses.replace(f, replica=engine) for f in ended])
 
     def _moved(self, engine: int, moved: list[SampleProgress]) -> None:
