@@ -10,8 +10,9 @@ weights, ``--util`` of the GPU), shut down before the next starts:
 
 1. the trainer (this process, on the engine's GPU: colocated, CUDA IPC) is the model's
    transformers implementation, random-initialized from ``--seed`` in bf16; the refit of its
-   whole state dict is timed as ``benchmarks.refit.measure`` times it (two warm-ups: the first
-   through the staging buffer, then in place; median of ``--repeats``; once more unchecked);
+   whole state dict is timed as ``benchmarks.refit.measure`` times it (three warm-ups: the first
+   through the staging buffer, then in place, recording and verifying its load plan; median of
+   ``--repeats``; once more unchecked);
 2. the gap over a short GRPO-style loop of ``--gap-steps`` steps: each samples ``--gap-batch``
    samples (``--gap-group`` of each prompt) at temperature 1 on the engine, and measures the
    engine's logprobs against the trainer's bf16 forward of the same weights on the GPU: NeMo-RL's
@@ -84,7 +85,15 @@ GAP_COLUMNS = [
     "mean_abs",
 ]
 THROUGHPUT_COLUMNS = ["variant", "batch", "rollgen_tok_s", "rollgen_tok_s_min", "rollgen_tok_s_max"]
-REFIT_COLUMNS = ["variant", "checked", "gb", "refit_ms", "first_refit_ms", "second_refit_ms"]
+REFIT_COLUMNS = [
+    "variant",
+    "checked",
+    "gb",
+    "refit_ms",
+    "first_refit_ms",
+    "second_refit_ms",
+    "third_refit_ms",
+]
 
 
 def engine_config(model: str, args: argparse.Namespace, quantization: str, kv_fp8: bool) -> dict[str, Any]:
