@@ -21,6 +21,7 @@ import rollgen
 from rollgen.errors import ConfigError, UnsupportedCapability
 from rollgen.serving import HermesToolParser, Limits
 from rollgen.testing import tiny_config
+from tests.asleep import asleep_until_released
 
 KEY = "test-key-" + "0" * 24
 PROMPT = "count: 3 4 5"
@@ -572,19 +573,11 @@ def test_a_request_that_comes_while_asleep_is_answered_once_awake(
     """A request to a sleeping generation waits for the trainer's ``prepare_for_generation``
     (the status endpoint counts it as waiting), then is answered as any other; one still
     waiting when the server stops gets 503 then."""
-    entered = threading.Event()
-    wait_ready = gen.wait_ready
-
-    def watched(timeout_s: float | None = None) -> bool:  # the real wait, seen entering
-        entered.set()
-        return bool(wait_ready(timeout_s))
-
-    monkeypatch.setattr(gen, "wait_ready", watched)
     auth = {"Authorization": f"Bearer {KEY}"}
     answers: list[httpx.Response] = []
     with rollgen.serve(gen, api_key=KEY) as server:
         ask = {"model": server.model_id, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
-        gen.finish_generation()
+        entered = asleep_until_released(gen, monkeypatch)
         request = threading.Thread(
             target=lambda: answers.append(
                 httpx.post(f"{server.url}/completions", headers=auth, json=ask, timeout=120)

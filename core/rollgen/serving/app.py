@@ -113,10 +113,10 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
 
     @app.post("/v1/rollgen/cancel")
     async def cancel(req: CancelRequest) -> dict[str, Any]:
-        rollout = state.requests.get(req.request_id)
-        if rollout is None:
+        turn = state.requests.get(req.request_id)
+        if turn is None:
             raise HttpError(404, f"no request {req.request_id!r} is in flight", "request_not_found")
-        rollout.cancel()
+        turn.cancel()
         return {"request_id": req.request_id, "cancelled": True}
 
     @app.get("/v1/sessions/{session_id:path}")
@@ -127,6 +127,8 @@ def build_app(state: ServerState, api_key: str | None, lifespan: Any = None) -> 
     async def delete_session(session_id: str) -> dict[str, Any]:
         session = session_of(session_id)
         async with session.lock:  # a turn in flight ends first
+            if not state.sessions.holds(session):  # deleted, or its first turn failed, meanwhile
+                raise HttpError(404, f"no session {session_id!r}", "session_not_found")
             state.sessions.pop(session_id)
             return session.view() | {"deleted": True}
 

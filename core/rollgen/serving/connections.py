@@ -61,7 +61,10 @@ def guarded_protocol(max_connections: int, client_timeout_s: float, retry_after_
 
     class GuardedProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
         _refused = False
-        _deadline: asyncio.TimerHandle | None = None
+        #: The two deadlines, apart: a request's headers, and a client taking a response's bytes
+        #: (a request that arrives while the client takes none leaves the second armed).
+        _headers: asyncio.TimerHandle | None = None
+        _reading: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any) -> None:
             if len(self.connections) >= max_connections:
@@ -70,52 +73,53 @@ def guarded_protocol(max_connections: int, client_timeout_s: float, retry_after_
                 transport.close()
                 return
             super().connection_made(transport)
-            self._arm(self._headers_late)
+            self._headers = self._arm(self._headers, self._headers_late)
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 return
-            if self._deadline is None and self._between_requests():
-                self._arm(self._headers_late)
+            if self._headers is None and self._between_requests():
+                self._headers = self._arm(self._headers, self._headers_late)
             request = self.cycle
             super().data_received(data)
             if self.cycle is not request:  # a request's headers are in: its app runs now
-                self._disarm()
+                self._headers = self._disarm(self._headers)
 
         def pause_writing(self) -> None:
             super().pause_writing()
-            self._arm(self._not_reading)
+            self._reading = self._arm(self._reading, self._not_reading)
 
         def resume_writing(self) -> None:
             super().resume_writing()
-            self._disarm()
+            self._reading = self._disarm(self._reading)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
+            self._headers = self._disarm(self._headers)
+            self._reading = self._disarm(self._reading)
             if not self._refused:
                 super().connection_lost(exc)
 
         def _between_requests(self) -> bool:
             return self.cycle is None or bool(self.cycle.response_complete)
 
-        def _arm(self, fire: Any) -> None:
-            self._disarm()
-            self._deadline = self.loop.call_later(client_timeout_s, fire)
+        def _arm(self, deadline: asyncio.TimerHandle | None, fire: Any) -> asyncio.TimerHandle:
+            self._disarm(deadline)
+            return self.loop.call_later(client_timeout_s, fire)
 
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
+        @staticmethod
+        def _disarm(deadline: asyncio.TimerHandle | None) -> None:
+            if deadline is not None:
+                deadline.cancel()
 
         def _headers_late(self) -> None:
-            self._deadline = None
+            self._headers = None
             if self._between_requests() and not self.transport.is_closing():
                 logger.debug("closing a connection whose request did not arrive in %g s", client_timeout_s)
                 self.transport.write(late)
                 self.transport.close()
 
         def _not_reading(self) -> None:
-            self._deadline = None
+            self._reading = None
             logger.info("closing a connection whose client took no response bytes for %g s", client_timeout_s)
             self.transport.abort()
 

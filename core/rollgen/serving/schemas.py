@@ -13,33 +13,57 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rollgen.spec import MaxNewTokens, Seed, Temperature, TokenId, TopK, TopP
 
-#: What a session id may hold: it is a path segment of ``/v1/sessions/{id}``.
-SESSION_ID = re.compile(r"[A-Za-z0-9._:@~-]{1,200}")
-SESSION_ID_RULE = "1 to 200 of the characters A-Z a-z 0-9 . _ : @ ~ -"
+#: What a session id may hold: it is a path segment of ``/v1/sessions/{id}`` (``.`` and ``..``,
+#: which clients resolve away in a URL, are not ids).
+SESSION_ID = re.compile(r"(?!\.{1,2}$)[A-Za-z0-9._:@~-]{1,200}")
+SESSION_ID_RULE = "1 to 200 of the characters A-Z a-z 0-9 . _ : @ ~ -, other than . or .."
 #: The most samples one request asks for.
 MAX_N = 128
+
+
+#: Where a value lies in a request's JSON: None (the whole), or (where its parent lies, its key or
+#: index; a key itself as a one-tuple).
+Path = tuple[Any, Any] | None
 
 
 def check_text(value: Any) -> Any:
     """``value`` (a request's parsed JSON) unchanged; ValueError naming the first string in it
     that is not valid Unicode text (a lone surrogate, which JSON's ``\\ud800`` escapes allow and
-    no tokenizer takes). Walks the JSON without recursion, once."""
-    stack: list[tuple[str, Any]] = [("", value)]
+    no tokenizer takes). Walks the JSON without recursion, once, in time linear in its size (a
+    value's path is spelled out only for the string refused)."""
+    stack: list[tuple[Path, Any]] = [(None, value)]
     while stack:
-        where, item = stack.pop()
+        path, item = stack.pop()
         if isinstance(item, str):
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
                 raise ValueError(
-                    f"{where or 'a string'}: not valid Unicode text (a lone surrogate)"
+                    f"{spelled(path) or 'a string'}: not valid Unicode text (a lone surrogate)"
                 ) from None
         elif isinstance(item, dict):
-            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in item.items())
-            stack.extend((f"{where} (a key)", k) for k in item)
+            stack.extend(((path, k), v) for k, v in item.items())
+            stack.extend(((path, (k,)), k) for k in item)
         elif isinstance(item, list):
-            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(item))
+            stack.extend(((path, i), v) for i, v in enumerate(item))
     return value
+
+
+def spelled(path: Path) -> str:
+    """``path`` as ``messages[0].content`` (a key: ``... (a key)``)."""
+    steps = []
+    while path is not None:
+        path, step = path
+        steps.append(step)
+    where = ""
+    for step in reversed(steps):
+        if isinstance(step, tuple):
+            where += " (a key)"
+        elif isinstance(step, int):
+            where += f"[{step}]"
+        else:
+            where += f".{step}" if where else str(step)
+    return where
 
 
 class _Request(BaseModel):
@@ -141,20 +165,29 @@ class ToolCallIn(BaseModel):
     function: ToolFunction
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content; text parts are the ones read (extra keys pass through)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     """One message of a conversation, as the chat template takes it (extra keys pass through)."""
 
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[ToolCallIn] | None = None
 
     def for_template(self) -> dict[str, Any]:
         """The message as a dict for the template; text parts joined into one string."""
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            data["content"] = "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            data["content"] = "".join(p.text or "" for p in self.content if p.type == "text")
         return data
 
 

@@ -59,7 +59,8 @@ class ServerState:
         self.limits = limits
         self.tool_parser = tool_parser
         self.sessions = Sessions(limits.max_sessions)
-        self.requests: dict[str, ServedRollout] = {}
+        #: The turns in flight by ``request_id`` (each registered before its samples are submitted).
+        self.requests: dict[str, Turn] = {}
         self.running = 0
         self.closing = False
 
@@ -87,6 +88,7 @@ class Turn:
         self.rollout: ServedRollout | None = None
         self.prompt: list[int] = []
         self._admitted = False
+        self._cancelled = False
 
     async def open(self, kind: str) -> Session | None:
         """Take the request's session (made on first use), waiting for its previous turn."""
@@ -113,13 +115,21 @@ class Turn:
         self._admitted = True
         self.prompt = list(prompt)
         rid = self.req.request_id
-        if rid is not None and rid in self.state.requests:
-            raise HttpError(400, f"request_id {rid!r} is in flight already")
+        if rid is not None:
+            if rid in self.state.requests:
+                raise HttpError(400, f"request_id {rid!r} is in flight already")
+            self.state.requests[rid] = self  # before the submit's wait: a second one is refused
         samples = self.state.served.samples(self.prompt, self.req)
         replica = self.session.replica if self.session is not None else None
         self.rollout = await self.state.served.submit(samples, replica, stream_tokens=self.req.stream)
-        if rid is not None:
-            self.state.requests[rid] = self.rollout
+        if self._cancelled:
+            self.rollout.cancel()
+
+    def cancel(self) -> None:
+        """End the request's samples now (as soon as they are submitted, if they are not yet)."""
+        self._cancelled = True
+        if self.rollout is not None:
+            self.rollout.cancel()
 
     def _started(self) -> ServedRollout:
         if self.rollout is None:
@@ -142,9 +152,10 @@ class Turn:
         if self.rollout is not None:
             if not self.rollout.done:  # the client left, or an error: nobody reads the rest
                 self.rollout.cancel()
-            if self.req.request_id is not None:
-                self.state.requests.pop(self.req.request_id, None)
             self.rollout = None
+        rid = self.req.request_id
+        if rid is not None and self.state.requests.get(rid) is self:
+            del self.state.requests[rid]
         if self._admitted:
             self.state.running -= 1
             self._admitted = False
