@@ -134,6 +134,7 @@ def measure(
                 "refit_ms": med * 1e3,
                 "refit_ms_min": min(times) * 1e3,
                 "refit_ms_max": max(times) * 1e3,
+                "refit_ms_each": [t * 1e3 for t in times],
                 "first_refit_ms": first * 1e3,
                 "second_refit_ms": second * 1e3,
                 "third_refit_ms": third * 1e3,

@@ -21,7 +21,7 @@ import rollgen
 from rollgen.errors import ConfigError, UnsupportedCapability
 from rollgen.serving import HermesToolParser, Limits
 from rollgen.testing import tiny_config
-from tests.asleep import asleep_until_released
+from tests.waiting import asleep_until_released
 
 KEY = "test-key-" + "0" * 24
 PROMPT = "count: 3 4 5"

@@ -23,7 +23,7 @@ import rollgen
 from rollgen.errors import ConfigError
 from rollgen.serving import HermesToolParser, Limits
 from rollgen.testing import tiny_config
-from tests.asleep import asleep_until_released
+from tests.waiting import asleep_until_released, wait_until
 
 KEY = "limits-key-" + "0" * 24
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -200,17 +200,6 @@ def request_bytes(path: str, body: dict[str, Any]) -> bytes:
     return head.encode() + data
 
 
-def wait_for(what: Any) -> bool:
-    """Whether ``what()`` came true within the safety net (polled: the server's loop acts on
-    its own schedule)."""
-    deadline = time.monotonic() + SAFETY_S
-    while not what():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_a_client_that_stops_reading_stays_on_its_deadline_when_it_sends_another_request(
     gen: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -232,26 +221,28 @@ def test_a_client_that_stops_reading_stays_on_its_deadline_when_it_sends_another
         with socket.socket() as client:
             client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             client.connect(("127.0.0.1", strict.port))
-            assert wait_for(lambda: len(state.connections) == 1)
+            wait_until(lambda: len(state.connections) == 1, "the server has the connection")
             (conn,) = state.connections
             for _ in range(64):  # answers it never reads, one at a time, until the writes pause
                 served = state.total_requests
                 client.sendall(request_bytes("/completions", big))
-                assert wait_for(
+                wait_until(
                     lambda: (
                         state.total_requests > served  # noqa: B023 - read while this request is the last
-                        and (conn.cycle.response_complete or conn.flow.write_paused)
-                    )
+                        or conn.flow.write_paused
+                    ),
+                    "the request was answered, or the writes paused",
                 )
                 if conn.flow.write_paused:
                     break
             assert conn.flow.write_paused, "the client's unread answers did not fill the buffers"
             cycle = conn.cycle
             client.sendall(request_bytes("/completions", {"model": strict.model_id, "prompt": [5, 6]}))
-            assert wait_for(lambda: conn.cycle is not cycle), "the next request's headers were read"
-            assert conn._reading is not None, "the next request disarmed the not-reading deadline"
+            wait_until(lambda: conn.cycle is not cycle, "the next request's headers were read")
+            reading = conn._reading
+            assert reading is not None and not reading.cancelled(), "the next request disarmed the deadline"
             conn.loop.call_soon_threadsafe(conn._not_reading)  # what the deadline does when it fires
-            assert wait_for(lambda: not state.connections), "the connection was held"
+            wait_until(lambda: not state.connections, "the connection was closed")
 
 
 def test_connections_past_the_cap_are_refused_at_once(gen: Any) -> None:
@@ -434,7 +425,7 @@ def test_deletes_of_a_session_that_wait_for_its_turn_answer_once(
             assert entered.wait(SAFETY_S), "the turn did not wait for the generation"
             for delete in deletes:
                 delete.start()
-            assert wait_for(lambda: len(session.lock._waiters or ()) == 2), "both deletes wait for the turn"
+            wait_until(lambda: len(session.lock._waiters or ()) == 2, "both deletes wait for the turn")
         finally:
             gen.prepare_for_generation()
         for thread in (turn, *deletes):

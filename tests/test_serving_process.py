@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 import rollgen
 from rollgen.serving import Server
 from rollgen.testing import tiny_config
+from tests.waiting import wait_until
 
 KEY = "process-key-" + "0" * 20
 #: The longest a process may take to end once it has no reason to live (a bound, not a measure).
@@ -31,13 +31,6 @@ SAFETY_S = 60.0
 def gen() -> Iterator[Any]:
     with rollgen.create_generation(tiny_config("hf", max_new_tokens=8)) as g:
         yield g
-
-
-def wait_until(done: Any, what: str) -> None:
-    deadline = time.monotonic() + SAFETY_S
-    while not done():
-        assert time.monotonic() < deadline, f"not within {SAFETY_S:g} s: {what}"
-        time.sleep(0.05)
 
 
 def test_the_http_side_runs_in_a_process_of_its_own(gen: Any) -> None:

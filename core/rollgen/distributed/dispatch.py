@@ -224,11 +224,12 @@ class SampleDispatcher:
             if engine is None:  # a call to an engine since replaced (``reopen``)
                 return
         name = self.group.names[engine]
+        moved: list[SampleProgress] = []
         ended: list[FinishedSample] = []
         try:
             if polled:
-                moved, ended = self.group.get([ref], names=[name])[0]
-                self._moved(engine, moved.unpack())
+                packed, ended = self.group.get([ref], names=[name])[0]
+                moved = packed.unpack()
             else:
                 self.group.get([ref], names=[name])
         except RollgenError as exc:  # a death the generation outlives re-runs its samples elsewhere
@@ -236,10 +237,10 @@ class SampleDispatcher:
                 self._failed(engine, name, exc)
                 return
         except Exception as exc:  # noqa: BLE001 - an answer that cannot be read fails its engine, not this thread
-            logger.exception("%s: its answer could not be read", name)
             error = OutputError(f"its answer could not be read ({exc!r}); it is out of service")
             self._failed(engine, name, error)
             return
+        self._moved(engine, moved)
         self._ended(engine, [dataclasses.replace(f, replica=engine) for f in ended])
 
     def _moved(self, engine: int, moved: list[SampleProgress]) -> None:

@@ -1,11 +1,24 @@
-"""A generation put to sleep for a test, with a sign once a request waits for it to wake."""
+"""Waiting in tests for what a server or a generation does on its own schedule: a condition
+polled under a safety net, and a generation put to sleep with a sign once a request waits for it."""
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
+
+#: The longest a test waits for something that must happen (a bound, not a measure).
+SAFETY_S = 60.0
+
+
+def wait_until(done: Any, what: str) -> None:
+    """Return once ``done()`` is true; fail, saying ``what`` did not happen, past ``SAFETY_S``."""
+    deadline = time.monotonic() + SAFETY_S
+    while not done():
+        assert time.monotonic() < deadline, f"not within {SAFETY_S:g} s: {what}"
+        time.sleep(0.02)
 
 
 def asleep_until_released(gen: Any, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
