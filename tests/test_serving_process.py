@@ -20,11 +20,9 @@ import pytest
 import rollgen
 from rollgen.serving import Server
 from rollgen.testing import tiny_config
-from tests.waiting import wait_until
+from tests.waiting import SAFETY_S, wait_until
 
 KEY = "process-key-" + "0" * 20
-#: The longest a process may take to end once it has no reason to live (a bound, not a measure).
-SAFETY_S = 60.0
 
 
 @pytest.fixture(scope="module")
