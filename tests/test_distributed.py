@@ -12,6 +12,7 @@ from rollgen import BatchedDataDict, ConfigError, InputError, WorkerError
 from rollgen.distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup
 from rollgen.distributed.worker_groups import TiedGroup, tied_groups
 from rollgen.testing.probe import ProbeWorker
+from tests.waiting import SAFETY_S, wait_until
 
 PROBE = "rollgen.testing.probe:ProbeWorker"
 
@@ -119,6 +120,22 @@ def test_workers_that_may_share_a_gpu_start_one_at_a_time() -> None:
         ray.shutdown()
 
 
+def _killed(group: RayWorkerGroup, index: int) -> None:
+    """Kill worker ``index`` and return once Ray says it is dead: ``ray.kill`` returns before the
+    actor is gone, and a call sent meanwhile may still run on it."""
+    actor = group.workers[index]
+    ray.kill(actor, no_restart=True)
+
+    def dead() -> bool:
+        try:
+            ray.get(actor.where.remote(), timeout=SAFETY_S)
+        except ray.exceptions.RayActorError:
+            return True
+        return False
+
+    wait_until(dead, f"worker {index} dead after ray.kill")
+
+
 def _batch(n: int) -> tuple[BatchedDataDict, list]:
     from rollgen.sampling import SampleParams
 
@@ -138,7 +155,7 @@ def test_uneven_shards_merge_in_order_and_a_dead_replicas_shard_runs_again(probe
     out = replicas.shard(*_batch(5))
     assert [o.flatten().tolist() for o in out] == [[0, 1, 2], [3, 4]]
     assert len(replicas.shard(*_batch(1))) == 1, "empty shards are not sent"
-    ray.kill(probes.workers[1], no_restart=True)
+    _killed(probes, 1)
     out = replicas.shard(*_batch(5))
     assert torch.cat(out).flatten().tolist() == [0, 1, 2, 3, 4]
     assert replicas.live == [0] and replicas.table[1].state == "dead"
@@ -150,7 +167,7 @@ def test_without_replacement_a_death_in_a_shard_is_raised(probes) -> None:
     from rollgen.distributed.replicas import Replicas
 
     replicas = Replicas(probes, "probes", replaces=False)
-    ray.kill(probes.workers[0], no_restart=True)
+    _killed(probes, 0)
     with pytest.raises(WorkerError, match="rollgen-dp0.*died") as info:
         replicas.shard(*_batch(4))
     assert info.value.died and replicas.table[0].state == "dead"
