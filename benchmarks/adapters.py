@@ -103,9 +103,9 @@ DRIVER_STAGES = ("pack_s", "link_s")
 def driver_stages(times: dict[str, float]) -> Iterator[None]:
     """Time, within an adapter refit in this process, rollgen's packing of the adapter into its
     bucket (``pack_s``: a copy and the finite check) and the Ray link's delivery of it to the
-    engines (``link_s``, ``RayLink.apply_adapter``: the kept copy, the Ray call, the engine's
-    RPC, the ranks' load), each synchronised: the two functions are wrapped for the benchmark
-    only."""
+    engines (``link_s``, ``RayLink.apply_adapter``: the kept copy, the ranks' refit channels
+    where they connect, else the Ray call and the engine's RPC, the ranks' load), each
+    synchronised: the two functions are wrapped for the benchmark only."""
     import rollgen.refit.updates as updates
     from rollgen.distributed.refit_link import RayLink
 

@@ -51,13 +51,12 @@ class BenchWorkerExtension(RollgenWorkerExtension):
         when (``time.time()``) the call entered and left the worker extension."""
         return dict(self.bench_load)
 
-    def rollgen_load_adapter(self, version: int, per_rank: list[bytes], setup: dict[str, Any]) -> Any:
+    def rollgen_take_adapter(self, version: int, data: bytes, setup: dict[str, Any]) -> None:
         self.bench_adapter: dict[str, float] = {}
         start = time.perf_counter()
-        answer = super().rollgen_load_adapter(version, per_rank, setup)  # an error comes back as is
+        super().rollgen_take_adapter(version, data, setup)
         _synchronize()
         self.bench_adapter["load_adapter_s"] = time.perf_counter() - start
-        return answer
 
     def rollgen_write_adapter(
         self, version: int, named: list[tuple[str, torch.Tensor]], setup: dict[str, Any]
@@ -68,7 +67,7 @@ class BenchWorkerExtension(RollgenWorkerExtension):
         self.bench_adapter["write_s"] = time.perf_counter() - start
 
     def bench_last_adapter(self) -> dict[str, Any]:
-        """Where this rank's last adapter load went: the whole ``rollgen_load_adapter``
+        """Where this rank's last adapter load went: the whole ``rollgen_take_adapter``
         (``load_adapter_s``: unpickling and mapping the bucket, the slot write, a kept copy
         where the engine reloads) and the write into the LoRA slots (``write_s``), seconds,
         synchronised."""

@@ -2,8 +2,9 @@
 where they connect, else through the actors; into the staging buffers or, for a colocated
 trainer's refit of the tensors it refitted last, read in place; and the one rule of what each
 engine is sent (its own pickle: shared-memory handles open once per receiver, and a kept
-layout's bucket carries that engine's own exports). Adapter versions go through the actors, and
-a copy of each version held is kept where it was packed, for a replacement engine. It is handed the replicas
+layout's bucket carries that engine's own exports). Adapter versions go the same way (each rank
+takes one between two of its engine's steps), and a copy of each version held is kept where it
+was packed, for a replacement engine, which gets them through its actor. It is handed the replicas
 (``rollgen.distributed.replicas``) and calls only down to them; it listens for a replica that
 leaves service (its channels close)."""
 
@@ -21,7 +22,7 @@ from rollgen.distributed.replicas import Replicas
 from rollgen.distributed.worker import EngineWorker
 from rollgen.errors import WorkerError
 from rollgen.refit import Named, WeightBucket, WeightSpec, channel, pack_bucket
-from rollgen.refit.channel import EngineChannels
+from rollgen.refit.channel import DropAdapter, EngineChannels, LoadAdapter
 from rollgen.refit.in_place import InPlaceSources
 from rollgen.refit.layouts import KEPT_LAYOUTS
 from rollgen.refit.link import EngineFacts, Packing, pack_with
@@ -159,24 +160,33 @@ class RayLink:
                 ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
 
     def apply_adapter(self, version: int, bucket: WeightBucket, drop: Sequence[int] = ()) -> None:
-        """Every replica in service frees the versions ``drop`` and loads the adapter (one call
-        to its actor, its own pickle) before this returns; a copy is kept for a replacement
-        (``adopt``), on the device the adapter was packed on (the trainer's GPU holds one per
-        version held)."""
+        """Every replica in service frees the versions ``drop`` and loads the adapter (over its
+        ranks' channels, each between two of its engine's steps, else one call to its actor;
+        its own pickle) before this returns; a copy is kept for a replacement (``adopt``), on
+        the device the adapter was packed on (the trainer's GPU holds one per version held)."""
         for old in drop:
             self._adapters.pop(old, None)
         kept = bucket.copied()
-        args = [(version, self._pickled(bucket, i), tuple(drop)) for i in range(len(self.replicas))]
-        refs, names = self.replicas.submit(EngineWorker.load_adapter, args)
-        try:
-            self.group.get(refs, names=names)
-        finally:  # every load ended before a failed version is dropped from those that took it
-            ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
+        if self.channels:
+            request = LoadAdapter(version, b"", tuple(drop))
+            self.channels.call(
+                lambda i: request._replace(data=self._pickled(bucket, i)), self.group.call_timeout_s
+            )
+        else:
+            args = [(version, self._pickled(bucket, i), tuple(drop)) for i in range(len(self.replicas))]
+            refs, names = self.replicas.submit(EngineWorker.load_adapter, args)
+            try:
+                self.group.get(refs, names=names)
+            finally:  # every load ended before a failed version is dropped from those that took it
+                ray.wait(refs, num_returns=len(refs), timeout=STAGED_WAIT_S)
         self._adapters[version] = kept
 
     def drop_adapter(self, version: int) -> None:
         self._adapters.pop(version, None)
-        self.replicas.call(EngineWorker.drop_adapter, version)
+        if self.channels:
+            self.channels.call(lambda i: DropAdapter(version), self.group.call_timeout_s)
+        else:
+            self.replicas.call(EngineWorker.drop_adapter, version)
 
     def reset_prefix_cache(self) -> None:
         self.replicas.call(EngineWorker.reset_prefix_cache)

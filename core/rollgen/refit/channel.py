@@ -7,6 +7,10 @@ the driver connects a ``Channel`` to it. Sockets are Unix sockets in the abstrac
 they reach the ranks on the driver's machine only: where a rank runs elsewhere, the connection
 fails and the driver keeps to the RPC.
 
+A request is one of the three below: a refit bucket (``LoadBucket``), an adapter version to
+hold (``LoadAdapter``: LoRA versions are written while streamed samples of other versions run,
+so a rank takes them between two of its engine's steps) or one to free (``DropAdapter``).
+
 Who may talk to a rank: a process of the same user (checked by the kernel's peer credentials,
 on both ends) that proves it holds the key the driver made (``rollgen.auth.handshake``, within
 ``HANDSHAKE_TIMEOUT_S``). Anyone else is logged at WARNING and dropped; each connection is
@@ -36,7 +40,7 @@ import traceback
 import uuid
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,6 +54,29 @@ logger = logging.getLogger(__name__)
 
 #: How long either end waits for the other to prove it holds the key (and the driver to connect).
 HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class LoadBucket(NamedTuple):
+    """Load a bucket of ``layout``: its pickle, or None for a layout the rank keeps
+    (``rollgen.refit.receiver.Receiver.unpack``); answered False where it keeps none."""
+
+    layout: str
+    data: bytes | None
+
+
+class LoadAdapter(NamedTuple):
+    """Free adapter versions ``drop``, then hold the pickled adapter bucket ``data`` (the whole
+    adapter, validated) as adapter ``version``."""
+
+    version: int
+    data: bytes
+    drop: tuple[int, ...] = ()
+
+
+class DropAdapter(NamedTuple):
+    """Free adapter ``version``."""
+
+    version: int
 
 
 class ChannelServer:
@@ -292,42 +319,57 @@ class EngineChannels:
 
         A failure that leaves answers unread closes the channels (later refits go through the
         actors)."""
-        layout, errors = bucket.layout, []
+        layout = bucket.layout
         ranks = [(i, rank) for i, engine in enumerate(self.channels) for rank in engine]
-
-        def exchange(
-            requests: list[tuple[int, Channel, tuple[str, bytes | None]]],
-        ) -> list[tuple[int, Channel]]:
-            sent, missed = [], []
-            try:
-                try:
-                    for i, rank, request in requests:
-                        rank.send(request)
-                        sent.append((i, rank))
-                except RollgenError as exc:  # a closed channel: the ranks sent to still answer
-                    errors.append(exc)
-                for i, rank in sent:
-                    try:
-                        if not rank.result(timeout_s):
-                            missed.append((i, rank))
-                    except RollgenError as exc:
-                        errors.append(exc)
-            except BaseException:  # answers left unread: these channels are out of step
-                self.close()
-                raise
-            return missed
-
+        errors: list[RollgenError] = []
         requests = [
-            (i, rank, (layout, None if layout in self._held[i] else pickled(bucket, i))) for i, rank in ranks
+            (i, rank, LoadBucket(layout, None if layout in self._held[i] else pickled(bucket, i)))
+            for i, rank in ranks
         ]
-        missed = exchange(requests)
-        if missed:  # a rank that dropped the layout (it keeps as many as its mirror here)
-            exchange([(i, rank, (layout, pickled(bucket, i))) for i, rank in missed])
-        if errors:
-            raise next((e for e in errors if isinstance(e, WorkerError) and e.died), errors[0])
+        answers = self._exchange(requests, timeout_s, errors)
+        # a rank that dropped the layout (it keeps as many as its mirror here)
+        missed = [(i, rank) for i, rank, answer in answers if not answer]
+        if missed:
+            requests = [(i, rank, LoadBucket(layout, pickled(bucket, i))) for i, rank in missed]
+            self._exchange(requests, timeout_s, errors)
+        _raise_first(errors)
         if layout:
             for held in self._held:  # the least recently used goes, as on the ranks
                 held.keep(layout, None)
+
+    def call(self, request: Callable[[int], Any], timeout_s: float | None = None) -> None:
+        """Have every engine rank answer ``request(engine)`` (``LoadAdapter``, ``DropAdapter``),
+        with the same deadline and errors as ``send``."""
+        errors: list[RollgenError] = []
+        requests = [(i, rank, request(i)) for i, engine in enumerate(self.channels) for rank in engine]
+        self._exchange(requests, timeout_s, errors)
+        _raise_first(errors)
+
+    def _exchange(
+        self,
+        requests: list[tuple[int, Channel, Any]],
+        timeout_s: float | None,
+        errors: list[RollgenError],
+    ) -> list[tuple[int, Channel, Any]]:
+        """Send each request, then read each answer (engine, rank, answer), adding to
+        ``errors`` what ranks raised; answers left unread close every channel."""
+        sent, answers = [], []
+        try:
+            try:
+                for i, rank, request in requests:
+                    rank.send(request)
+                    sent.append((i, rank))
+            except RollgenError as exc:  # a closed channel: the ranks sent to still answer
+                errors.append(exc)
+            for i, rank in sent:
+                try:
+                    answers.append((i, rank, rank.result(timeout_s)))
+                except RollgenError as exc:
+                    errors.append(exc)
+        except BaseException:  # answers left unread: these channels are out of step
+            self.close()
+            raise
+        return answers
 
     def forget(self) -> None:
         """The engines let go of every kept layout (their mappings were released)."""
@@ -338,3 +380,9 @@ class EngineChannels:
         """Close every channel (each rank's thread ends); later refits go through the actors."""
         close(self.channels)
         self.channels = []
+
+
+def _raise_first(errors: list[RollgenError]) -> None:
+    """Raise an engine's death among ``errors`` first, else the first of them."""
+    if errors:
+        raise next((e for e in errors if isinstance(e, WorkerError) and e.died), errors[0])

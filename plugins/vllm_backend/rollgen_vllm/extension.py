@@ -14,8 +14,9 @@ from __future__ import annotations
 import importlib
 import logging
 import pickle
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 
 from rollgen.errors import ConfigError, RefitError
 from rollgen.refit import Receiver, WeightSpec, device_uuid
-from rollgen.refit.channel import ChannelServer
+from rollgen.refit.channel import ChannelServer, DropAdapter, LoadAdapter
 from rollgen.refit.checks import nonfinite
 from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, receive
 from rollgen_vllm import logs
@@ -67,19 +68,58 @@ class RollgenWorkerExtension:
         )
         return True
 
-    def rollgen_open_channel(self, authkey: bytes, replay: bool, owner: int, capacity: int) -> str:
-        """Open this rank's refit channel (``rollgen.refit.channel``), which loads each
-        request ``(layout, data)`` as ``rollgen_load_request`` does, while the processes up to
-        ``owner`` (the pid of the engine's actor) run, keeping ``capacity`` layouts (as the
-        driver's mirror of them does); its address."""
+    def rollgen_open_channel(
+        self, authkey: bytes, replay: bool, owner: int, capacity: int, setup: dict[str, Any] | None = None
+    ) -> str:
+        """Open this rank's refit channel (``rollgen.refit.channel``), which answers each
+        request between two of the engine's steps (``rollgen_answer``), while the processes up
+        to ``owner`` (the pid of the engine's actor) run, keeping ``capacity`` layouts (as the
+        driver's mirror of them does); ``setup``: the adapters' PEFT setup (None: the engine
+        has no LoRA); its address."""
         self.rollgen_receiver = Receiver(self.rollgen_device(), capacity)
+        steps = self.rollgen_steps
         self.rollgen_channel = ChannelServer(
-            lambda request: self.rollgen_load_request(*request, replay),
+            lambda request: self.rollgen_answer(request, replay, setup, steps),
             authkey,
             self.rollgen_device(),
             owner,
         )
         return self.rollgen_channel.address
+
+    @property
+    def rollgen_steps(self) -> threading.Lock:
+        """A lock this worker's steps hold (``execute_model``, ``sample_tokens``, wrapped on
+        first use): what runs under it falls between two steps. An adapter version is written
+        while samples of other versions decode, and vLLM's LoRA bookkeeping is read by a step."""
+        lock: threading.Lock | None = getattr(self, "_rollgen_steps", None)
+        if lock is None:
+            lock = self._rollgen_steps = threading.Lock()
+            for name in STEP_METHODS:
+                if (step := getattr(self, name, None)) is not None:
+                    setattr(self, name, _holding(lock, step))
+        return lock
+
+    def rollgen_answer(
+        self, request: Any, replay: bool, setup: dict[str, Any] | None, steps: threading.Lock
+    ) -> bool | None:
+        """What this rank's refit channel answers ``request`` with, taken between two steps
+        (``steps``): a bucket loaded (``LoadBucket``: whether its layout was held), an adapter
+        version held or freed (``LoadAdapter``, ``DropAdapter``)."""
+        with steps:
+            if isinstance(request, DropAdapter):
+                self.rollgen_drop_adapter(request.version)
+                return None
+            if isinstance(request, LoadAdapter):
+                if setup is None:
+                    raise RefitError(
+                        "this engine was started without the config's lora: it holds no adapters"
+                    )
+                for old in request.drop:
+                    self.rollgen_drop_adapter(old)
+                self.rollgen_take_adapter(request.version, request.data, setup)
+                return None
+            layout, data = request
+            return self.rollgen_load_request(layout, data, replay)
 
     @property
     def rollgen_receiver(self) -> Receiver:
@@ -122,7 +162,12 @@ class RollgenWorkerExtension:
         """Hold the pickled adapter bucket ``per_rank[rank]`` (PEFT's names) of PEFT setup
         ``setup`` (``r``, ``lora_alpha``, ``target_modules``) as the LoRA whose ``lora_int_id`` is
         ``version`` (loaded again: replaced)."""
-        named = pickle.loads(per_rank[self.rollgen_rank]).resolve().unpack()
+        self.rollgen_take_adapter(version, per_rank[self.rollgen_rank], setup)
+
+    def rollgen_take_adapter(self, version: int, data: bytes, setup: dict[str, Any]) -> None:
+        """Hold the pickled adapter bucket ``data`` as adapter ``version`` (over the RPC, or
+        this rank's refit channel)."""
+        named = pickle.loads(data).resolve().unpack()
         try:
             self.rollgen_write_adapter(version, named, setup)
             if self.rollgen_reloads:  # the bucket's memory is the sender's
@@ -243,6 +288,20 @@ class RollgenWorkerExtension:
             for version, (named, setup) in self.rollgen_adapters.items():
                 if version not in kept:
                     self.rollgen_write_adapter(version, named, setup)
+
+
+#: A vLLM worker's methods that run a step (``sample_tokens``: vLLM 0.26 on, after ``execute_model``).
+STEP_METHODS = ("execute_model", "sample_tokens")
+
+
+def _holding(lock: threading.Lock, step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step``, run holding ``lock``."""
+
+    def locked(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return step(*args, **kwargs)
+
+    return locked
 
 
 #: Where vLLM's quantized linear layers keep their scales: ``weight_scale`` (FP8 per tensor or

@@ -292,7 +292,10 @@ class VllmWorker(EngineWorker):
         replay = self.spec.engine["replay_refit"]
         # a rank in a process of the engine's own (its engine core, its workers) outlives this
         # actor's death for a moment: it answers as the engine's death once this process is gone
-        return self._rpc(RollgenWorkerExtension.rollgen_open_channel, authkey, replay, os.getpid(), capacity)
+        setup = None if self.spec.lora is None else peft_setup(self.spec.lora)
+        return self._rpc(
+            RollgenWorkerExtension.rollgen_open_channel, authkey, replay, os.getpid(), capacity, setup
+        )
 
     def _release_staged(self, keys: list[str]) -> None:
         self._rpc(RollgenWorkerExtension.rollgen_release_staged, keys)
