@@ -26,6 +26,7 @@ from rollgen.rollout import (
     UpdateMode,
 )
 from rollgen.sampling import SampleParams
+from tests.waiting import SAFETY_S
 
 #: Token ids of the stand-in backend's made-up vocabulary (``Streams`` tests).
 PAD, EOS, STOP = 0, 2, 3
@@ -35,8 +36,8 @@ MAX_MODEL_LEN = 64
 
 
 #: How long a thread may take to reach a point the test waits for before the test fails (never
-#: a delay the outcome depends on).
-DEADLINE_S = 10.0
+#: a delay the outcome depends on): the project's one bound.
+DEADLINE_S = SAFETY_S
 
 
 # ---- stand-ins ------------------------------------------------------------------------------------

@@ -10,9 +10,9 @@ import torch
 
 from rollgen import BatchedDataDict, ConfigError, InputError, WorkerError
 from rollgen.distributed import RayVirtualCluster, RayWorkerBuilder, RayWorkerGroup
-from rollgen.distributed.worker_groups import TiedGroup, tied_groups
+from rollgen.distributed.worker_groups import TiedGroup, tied_groups, until_dead
 from rollgen.testing.probe import ProbeWorker
-from tests.waiting import SAFETY_S, wait_until
+from tests.waiting import SAFETY_S
 
 PROBE = "rollgen.testing.probe:ProbeWorker"
 
@@ -125,15 +125,9 @@ def _killed(group: RayWorkerGroup, index: int) -> None:
     actor is gone, and a call sent meanwhile may still run on it."""
     actor = group.workers[index]
     ray.kill(actor, no_restart=True)
-
-    def dead() -> bool:
-        try:
-            ray.get(actor.where.remote(), timeout=SAFETY_S)
-        except ray.exceptions.RayActorError:
-            return True
-        return False
-
-    wait_until(dead, f"worker {index} dead after ray.kill")
+    until_dead([actor], SAFETY_S)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.where.remote(), timeout=SAFETY_S)
 
 
 def _batch(n: int) -> tuple[BatchedDataDict, list]:

@@ -21,7 +21,7 @@ import rollgen
 from rollgen.errors import ConfigError, UnsupportedCapability
 from rollgen.serving import HermesToolParser, Limits
 from rollgen.testing import tiny_config
-from tests.waiting import asleep_until_released
+from tests.waiting import SAFETY_S, asleep_until_released
 
 KEY = "test-key-" + "0" * 24
 PROMPT = "count: 3 4 5"
@@ -250,7 +250,7 @@ def test_session_keeps_the_engines_tokens(client: openai.OpenAI, server: Any, ge
             {"role": "user", "content": follow},
         ]
     auth = {"Authorization": f"Bearer {KEY}"}
-    session = httpx.get(f"{server.url}/sessions/{sid}", headers=auth).json()
+    session = httpx.get(f"{server.url}/sessions/{sid}", headers=auth, timeout=SAFETY_S).json()
     assert session["token_ids"] == seen
     generated = [i for i, m in enumerate(session["loss_mask"]) if m]
     assert [session["token_ids"][i] for i in generated] == turns[0]["token_ids"] + turns[1]["token_ids"]
@@ -259,9 +259,9 @@ def test_session_keeps_the_engines_tokens(client: openai.OpenAI, server: Any, ge
     assert sum(s["end"] - s["start"] for s in session["versions"]) == len(generated)
     retokenized = tok(tok.decode(session["token_ids"]), add_special_tokens=False)["input_ids"]
     assert retokenized != session["token_ids"], "pick a conversation whose text retokenizes differently"
-    gone = httpx.delete(f"{server.url}/sessions/{sid}", headers=auth)
+    gone = httpx.delete(f"{server.url}/sessions/{sid}", headers=auth, timeout=SAFETY_S)
     assert gone.status_code == 200 and gone.json()["token_ids"] == seen
-    assert httpx.get(f"{server.url}/sessions/{sid}", headers=auth).status_code == 404
+    assert httpx.get(f"{server.url}/sessions/{sid}", headers=auth, timeout=SAFETY_S).status_code == 404
 
 
 def test_session_refuses_a_changed_history(client: openai.OpenAI, server: Any) -> None:
@@ -306,7 +306,7 @@ def test_chat_with_tools_renders_them(client: openai.OpenAI, server: Any) -> Non
 def test_auth_is_required(server: Any) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url, api_key="wrong-" + "x" * 20, max_retries=0).models.list()
-    bare = httpx.get(f"{server.url}/models")
+    bare = httpx.get(f"{server.url}/models", timeout=SAFETY_S)
     assert bare.status_code == 401 and bare.json()["error"]["code"] == "invalid_api_key"
 
 
@@ -325,14 +325,15 @@ def test_errors_are_openai_json(client: openai.OpenAI, server: Any, gen: Any) ->
         f"{server.url}/completions",
         headers={"Authorization": f"Bearer {KEY}"},
         json={"model": server.model_id, "prompt": "x" * 70_000},
+        timeout=SAFETY_S,
     )
     assert big.status_code == 413 and "max_body_bytes" in big.json()["error"]["message"]
     auth = {"Authorization": f"Bearer {KEY}"}
-    nowhere = httpx.get(f"{server.url}/no-such-route", headers=auth)
+    nowhere = httpx.get(f"{server.url}/no-such-route", headers=auth, timeout=SAFETY_S)
     assert nowhere.status_code == 404 and "error" in nowhere.json()
-    garbled = httpx.post(f"{server.url}/completions", headers=auth, content=b"{not json")
+    garbled = httpx.post(f"{server.url}/completions", headers=auth, content=b"{not json", timeout=SAFETY_S)
     assert garbled.status_code == 400 and garbled.json()["error"]["type"] == "invalid_request_error"
-    no_model = httpx.post(f"{server.url}/completions", headers=auth, json={"prompt": "x"})
+    no_model = httpx.post(f"{server.url}/completions", headers=auth, json={"prompt": "x"}, timeout=SAFETY_S)
     assert no_model.status_code == 400 and "model" in no_model.json()["error"]["message"]
 
 
@@ -347,14 +348,19 @@ def test_the_port_listens_once_start_returns(gen: Any) -> None:
     server says it is ready, comes before uvicorn listens: the server listens itself first)."""
     with rollgen.serve(gen, api_key=KEY) as s:
         socket.create_connection(("127.0.0.1", s.port), timeout=5).close()
-        assert httpx.get(f"{s.url}/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+        assert (
+            httpx.get(
+                f"{s.url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=SAFETY_S
+            ).status_code
+            == 200
+        )
 
 
 def test_auth_off_only_on_loopback(gen: Any) -> None:
     with pytest.raises(ConfigError, match="loopback"):
         rollgen.serving.Server(gen, host="0.0.0.0", require_api_key=False)
     with rollgen.serve(gen, require_api_key=False) as open_server:
-        assert httpx.get(f"{open_server.url}/models").status_code == 200
+        assert httpx.get(f"{open_server.url}/models", timeout=SAFETY_S).status_code == 200
     generated = rollgen.serving.Server(gen)
     assert generated.api_key and len(generated.api_key) >= 32
 
@@ -364,10 +370,10 @@ def test_shutdown_and_limits_answer_503_and_429(client: openai.OpenAI, server: A
     auth = {"Authorization": f"Bearer {KEY}"}
     with rollgen.serve(gen, api_key=KEY, front="thread") as inside:  # its state is reached here
         inside.state.closing = True  # as while the server stops
-        closing = httpx.post(f"{inside.url}/completions", headers=auth, json=ask)
+        closing = httpx.post(f"{inside.url}/completions", headers=auth, json=ask, timeout=SAFETY_S)
     assert closing.status_code == 503 and closing.json()["error"]["code"] == "server_shutting_down"
     with rollgen.serve(gen, api_key=KEY, limits=Limits(max_concurrent_requests=0)) as full:
-        crowded = httpx.post(f"{full.url}/completions", headers=auth, json=ask)
+        crowded = httpx.post(f"{full.url}/completions", headers=auth, json=ask, timeout=SAFETY_S)
     assert crowded.status_code == 429 and "max_concurrent_requests" in crowded.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="n=1"):
         client.completions.create(**ask, n=2, extra_body={"session_id": "two"})
@@ -550,7 +556,7 @@ def test_a_request_waits_for_the_trainer_then_gets_503(gen: Any) -> None:
     ``Retry-After``; the server serves on."""
     ask = {"model": None, "prompt": PROMPT, "max_tokens": 2}
     auth = {"Authorization": f"Bearer {KEY}"}
-    with rollgen.serve(gen, api_key=KEY, limits=Limits(submit_timeout_s=0.5)) as patient:
+    with rollgen.serve(gen, api_key=KEY, limits=Limits(submit_timeout_s=5.0)) as patient:
         ask["model"] = patient.model_id
         gen.finish_generation()
         try:
@@ -586,7 +592,7 @@ def test_a_request_that_comes_while_asleep_is_answered_once_awake(
         try:
             request.start()
             assert entered.wait(60), "the request did not wait for the generation"
-            status = httpx.get(f"{server.url}/rollgen/status", headers=auth).json()
+            status = httpx.get(f"{server.url}/rollgen/status", headers=auth, timeout=SAFETY_S).json()
         finally:
             gen.prepare_for_generation()
         request.join()

@@ -23,13 +23,10 @@ import rollgen
 from rollgen.errors import ConfigError
 from rollgen.serving import HermesToolParser, Limits
 from rollgen.testing import tiny_config
-from tests.waiting import asleep_until_released, wait_until
+from tests.waiting import SAFETY_S, asleep_until_released, wait_until
 
 KEY = "limits-key-" + "0" * 24
 AUTH = {"Authorization": f"Bearer {KEY}"}
-#: How long a test waits for something the server must do at once (a safety net, never a delay
-#: an outcome depends on).
-SAFETY_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -111,14 +108,14 @@ def test_session_ids_round_trip_or_are_refused(server: Any) -> None:
     sid = "run.7:episode-1@worker~2"
     done = post(server, "/completions", {"model": server.model_id, "prompt": "count: 1", "session_id": sid})
     assert done.status_code == 200, done.text
-    assert httpx.get(f"{server.url}/sessions/{sid}", headers=AUTH).json()["id"] == sid
+    assert httpx.get(f"{server.url}/sessions/{sid}", headers=AUTH, timeout=SAFETY_S).json()["id"] == sid
     for dots in (".", ".."):  # clients resolve these away in a URL: never an id
         refused = post(server, "/completions", {"model": server.model_id, "prompt": "1", "session_id": dots})
         bad_request(refused, "session id holds", "other than . or ..")
     for bad in ("a%2Fb", "a b", "é"):
-        refused = httpx.get(f"{server.url}/sessions/{bad}", headers=AUTH)
+        refused = httpx.get(f"{server.url}/sessions/{bad}", headers=AUTH, timeout=SAFETY_S)
         assert refused.status_code == 400 and "session id holds" in refused.text, (bad, refused.text)
-    assert httpx.delete(f"{server.url}/sessions/{sid}", headers=AUTH).status_code == 200
+    assert httpx.delete(f"{server.url}/sessions/{sid}", headers=AUTH, timeout=SAFETY_S).status_code == 200
 
 
 def test_a_first_turn_that_fails_leaves_no_session(server: Any, gen: Any) -> None:
@@ -132,15 +129,17 @@ def test_a_first_turn_that_fails_leaves_no_session(server: Any, gen: Any) -> Non
             {"model": server.model_id, "prompt": too_long, "session_id": f"failed-{i}"},
         )
         bad_request(refused, "max_model_len")
-        assert httpx.get(f"{server.url}/sessions/failed-{i}", headers=AUTH).status_code == 404
-    status = httpx.get(f"{server.url}/rollgen/status", headers=AUTH).json()
+        assert (
+            httpx.get(f"{server.url}/sessions/failed-{i}", headers=AUTH, timeout=SAFETY_S).status_code == 404
+        )
+    status = httpx.get(f"{server.url}/rollgen/status", headers=AUTH, timeout=SAFETY_S).json()
     assert status["sessions"] == 0, status
     kept = [f"kept-{i}" for i in range(3)]
     for sid in kept:
         ok = post(server, "/completions", {"model": server.model_id, "prompt": "count: 1", "session_id": sid})
         assert ok.status_code == 200, ok.text
     for sid in kept:
-        httpx.delete(f"{server.url}/sessions/{sid}", headers=AUTH)
+        httpx.delete(f"{server.url}/sessions/{sid}", headers=AUTH, timeout=SAFETY_S)
 
 
 def test_the_key_is_checked_before_the_body_is_read(server: Any) -> None:
@@ -188,7 +187,10 @@ def test_slow_clients_are_cut_off(gen: Any) -> None:
             )
             answer = read_answer(trickle)
             assert answer.startswith(b"HTTP/1.1 408") and b"client_timeout_s" in answer
-        assert httpx.get(f"{strict.url}/models", headers=AUTH).status_code == 200
+        wait_until(  # a client slower than client_timeout_s between its connect and its request gets 408
+            lambda: httpx.get(f"{strict.url}/models", headers=AUTH, timeout=SAFETY_S).status_code == 200,
+            "the server serves on",
+        )
 
 
 def request_bytes(path: str, body: dict[str, Any]) -> bytes:

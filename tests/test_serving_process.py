@@ -53,7 +53,9 @@ def test_a_dead_server_process_leaves_nothing_running_in_the_trainer(gen: Any) -
     try:
         body = {"model": server.model_id, "prompt": "count: 1", "max_tokens": 1000, "stream": True}
         auth = {"Authorization": f"Bearer {KEY}"}
-        with httpx.stream("POST", f"{server.url}/completions", json=body, headers=auth) as answer:
+        with httpx.stream(
+            "POST", f"{server.url}/completions", json=body, headers=auth, timeout=SAFETY_S
+        ) as answer:
             lines = answer.iter_lines()
             first = next(lines)
             assert first.startswith("data: "), first

@@ -14,6 +14,7 @@ import torch
 
 import rollgen
 from rollgen.testing import load_reference_model, tiny_config, tiny_model_dir, versioned_logprob_error
+from tests.waiting import SAFETY_S
 
 KEY = "refit-key-" + "0" * 24
 
@@ -58,7 +59,9 @@ def test_session_turns_carry_the_version_of_their_weights(
     )
     assert {s["version"] for s in spans(first)} == {before}
     assert {s["version"] for s in spans(second)} == {before + 1}
-    session = httpx.get(f"{server.url}/sessions/v", headers={"Authorization": f"Bearer {KEY}"}).json()
+    session = httpx.get(
+        f"{server.url}/sessions/v", headers={"Authorization": f"Bearer {KEY}"}, timeout=SAFETY_S
+    ).json()
     assert [s["version"] for s in session["versions"]] == [before, before + 1]
     error = versioned_logprob_error(
         session["token_ids"],

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from broken_backends import HANG_LIMIT, MUTANTS, BrokenBackends, Mutant
+from broken_backends import HANG_LIMIT, HANG_TIMEOUT_S, MUTANTS, BrokenBackends, Mutant
 
 import rollgen.registry
 from rollgen.registry import PluginRecord, Registry
@@ -52,7 +52,7 @@ def test_the_suite_fails_a_backend_that_breaks_a_rule(
     assert mutant.says in text, f"no failure of {mutant.name} says {mutant.says!r}:\n{text[-4000:]}"
     if mutant.options == HANG_LIMIT:  # failed at the limit, in the report too
         failed = [t for t in json.loads(report.read_text())["tests"] if t["outcome"] == "failed"]
-        assert failed and "ran past --rollgen-test-timeout=8 s" in failed[0]["error"], failed
+        assert failed and f"ran past --rollgen-test-timeout={HANG_TIMEOUT_S} s" in failed[0]["error"], failed
         assert mutant.says in failed[0]["error"], failed[0]["error"]
 
 

@@ -16,6 +16,7 @@ from rollgen.testing import load_reference_model, teacher_forced_logprobs
 from rollgen.testing.links import RecordingLink
 from rollgen.testing.prompts import PROMPTS, encode
 from rollgen.testing.reference import agreement
+from tests.waiting import SAFETY_S
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
@@ -240,7 +241,7 @@ def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> No
 
     import psutil
 
-    from rollgen.processes import descendants, engine_processes
+    from rollgen.processes import descendants, engine_processes, running, wait_for_exit
     from rollgen_vllm.worker import VllmWorker
 
     dp1.generate(batch, greedy=True)
@@ -250,6 +251,10 @@ def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> No
     core = [p for p in engine_processes(pid, VllmWorker.engine_processes) if p in children]
     assert len(core) == 1, descendants(pid)
     os.kill(core[0], signal.SIGKILL)
+    # the actor's watcher ends it (EngineWorker._watch, within watch_interval_s; a call before
+    # that meets vLLM's EngineDeadError, which ends it too: test_vllm_reliability.py)
+    wait_for_exit([pid], timeout_s=SAFETY_S)
+    assert not running(pid)
     with pytest.raises(WorkerError, match="rollgen-vllm-dp0: died") as info:
         dp1.generate(batch, greedy=True)
     assert info.value.died and not dp1.usable
@@ -327,7 +332,7 @@ def test_a_served_sessions_turns_stay_on_the_replica_that_holds_its_prefix(dp2) 
     auth = {"Authorization": f"Bearer {key}"}
     with rollgen.serve(dp2, api_key=key, front="thread") as server:  # its sessions are reached here
         client = openai.OpenAI(base_url=server.url, api_key=key, max_retries=0)
-        before = httpx.get(f"{server.url}/rollgen/status", headers=auth).json()["replicas"]
+        before = httpx.get(f"{server.url}/rollgen/status", headers=auth, timeout=SAFETY_S).json()["replicas"]
 
         def turn(session: str, prompt: str) -> int:
             done = client.completions.create(
@@ -340,7 +345,7 @@ def test_a_served_sessions_turns_stay_on_the_replica_that_holds_its_prefix(dp2) 
         server.state.sessions.get("a").replica = 1  # as if replica 0 had been busy then
         later = [turn("a", " 3"), turn("a", " 4")]
         free = client.completions.create(model=server.model_id, prompt="abc: a b", max_tokens=4, n=3)
-        status = httpx.get(f"{server.url}/rollgen/status", headers=auth).json()
+        status = httpx.get(f"{server.url}/rollgen/status", headers=auth, timeout=SAFETY_S).json()
     assert later == [1, 1], "the session's turns stay on its replica"
     assert {c.model_extra["rollgen"]["replica"] for c in free.choices} == {0, 1}, "others: the least loaded"
     replicas = status["replicas"]

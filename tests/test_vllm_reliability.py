@@ -14,6 +14,7 @@ from rollgen import WorkerError
 from rollgen.data import right_pad
 from rollgen.testing import load_reference_model, tiny_config
 from rollgen.testing.prompts import PROMPTS, encode
+from tests.waiting import SAFETY_S, wait_until
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
@@ -119,6 +120,40 @@ def test_a_replica_that_dies_under_a_streamed_rollout_ends_the_generation(
     assert info.value.died
 
 
+def test_a_call_that_meets_a_dead_engine_core_fails_as_the_workers_death(
+    model_dir: str, short_prompts: dict
+) -> None:
+    """The engine core SIGKILLed while the worker's watcher would not look for an hour (the
+    stand-in), and once vLLM has seen it: the next generate meets vLLM's ``EngineDeadError``, on
+    which the worker exits, so the call fails as its death (it was an error of the call, the
+    generation still usable)."""
+    import psutil
+
+    from rollgen.config import validate_config
+    from rollgen.processes import engine_processes
+    from rollgen.testing.faults import kill_process
+    from rollgen_vllm.config import VllmConfig
+    from rollgen_vllm.worker import VllmWorker
+    from tests.vllm_faults import UnwatchedGeneration
+
+    cfg = tiny_config("vllm", model_dir, vllm_cfg={**ENGINE, "in_process": False})
+    gen = UnwatchedGeneration(validate_config(cfg, VllmConfig))
+    try:
+        gen.generate(short_prompts, greedy=True)
+        pid = gen.engines.info(0)["pid"]
+        children = {p.pid for p in psutil.Process(pid).children()}
+        core = [p for p in engine_processes(pid, VllmWorker.engine_processes) if p in children]
+        assert len(core) == 1, core
+        kill_process(core[0])
+        worker = gen.engines.group.workers[0]
+        wait_until(lambda: ray.get(worker.engine_seen_dead.remote()), "vLLM saw its engine core end")
+        with pytest.raises(WorkerError, match="rollgen-vllm-dp0: died") as info:
+            gen.generate(short_prompts, greedy=True)
+        assert info.value.died and not gen.usable
+    finally:
+        gen.shutdown()
+
+
 def wedging(model_dir: str, **engine: object):
     """A generation on the ``WedgingWorker`` stand-in (real vLLM until told to hang)."""
     from rollgen.config import validate_config
@@ -152,8 +187,9 @@ def test_a_failed_generate_leaves_the_engine_usable_and_shutdown_does_not_wait_o
         ray.get(gen.engines.group.workers[0].wedge.remote())
         monkeypatch.setattr(gen, "shutdown_wait_s", 1.0)
         calling, failed = threading.Event(), []
-        inner = gen._generate
-        monkeypatch.setattr(gen, "_generate", lambda *a: (calling.set(), inner(*a))[1])
+        group = gen.engines.group
+        answers = group.answers  # reached once the call is sent, with the lock held
+        monkeypatch.setattr(group, "answers", lambda *a, **k: (calling.set(), answers(*a, **k))[1])
 
         def call() -> None:
             try:
@@ -163,7 +199,7 @@ def test_a_failed_generate_leaves_the_engine_usable_and_shutdown_does_not_wait_o
 
         caller = threading.Thread(target=call)
         caller.start()
-        calling.wait()  # the call holds the lock
+        assert calling.wait(SAFETY_S)  # the call holds the lock and is sent
         gen.shutdown()
         caller.join()
         assert len(failed) == 1 and failed[0].died

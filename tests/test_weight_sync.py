@@ -286,7 +286,7 @@ def test_a_sender_no_engine_joins_is_a_refit_error_after_its_timeout() -> None:
 def test_a_rank_that_never_comes_fails_the_join_within_its_deadline_naming_it() -> None:
     """The join deadline, not the transfer timeout (600 s here), bounds a join one rank never
     makes; the others are told which rank it is."""
-    sender = WeightSender(SyncGroupSpec("127.0.0.1", 0, 3, timeout_s=600, join_timeout_s=1))
+    sender = WeightSender(SyncGroupSpec("127.0.0.1", 0, 3, timeout_s=600, join_timeout_s=3))
     errors: list[RefitError] = []
 
     def engine() -> None:
@@ -296,7 +296,7 @@ def test_a_rank_that_never_comes_fails_the_join_within_its_deadline_naming_it() 
 
     joined = threading.Thread(target=engine)
     joined.start()
-    with pytest.raises(RefitError, match=r"rank\(s\) \[2\] of 3 did not join .* join deadline \(1 s"):
+    with pytest.raises(RefitError, match=r"rank\(s\) \[2\] of 3 did not join .* join deadline \(3 s"):
         sender.connect()
     joined.join(60)
     assert not joined.is_alive() and "rank(s) [2] of 3 did not join" in str(errors[0])
@@ -307,7 +307,7 @@ def test_a_silent_process_in_a_ranks_slot_fails_the_join_within_its_deadline(ran
     """A process without the secret that joins as a member (here rank 0's or rank 1's slot,
     then says nothing: a stand-in, it takes no part in the authentication) holds the others
     only until the join deadline, and the error says a joined rank did not authenticate."""
-    host = WeightSender(SyncGroupSpec("127.0.0.1", 0, 2, timeout_s=600, join_timeout_s=2))
+    host = WeightSender(SyncGroupSpec("127.0.0.1", 0, 2, timeout_s=600, join_timeout_s=5))
     spec = host.spec
     silent = threading.Event()
 

@@ -1,7 +1,9 @@
 """Stand-ins for faults real vLLM cannot be made to produce on demand (real vLLM otherwise):
 ``FailOnceOnLastRank``, rollgen's worker extension whose load of a refit's second bucket fails
 once, on the last rank of the weight-sync group (the second replica's, with DP=2);
-``WedgingWorker``, rollgen's vLLM worker whose ``generate`` hangs for ever once told to; and
+``WedgingWorker``, rollgen's vLLM worker whose ``generate`` hangs for ever once told to;
+``UnwatchedWorker``, rollgen's vLLM worker whose watcher of the engine's processes looks once
+an hour; and
 ``DyingRank``, rollgen's worker extension that kills its engine's actor at a chosen point inside
 a call (``arm_death``): the real death of a replica, at a moment a kill from outside cannot
 pick."""
@@ -52,6 +54,24 @@ class WedgingGeneration(VllmGeneration):
     """The vLLM backend on ``WedgingWorker``s."""
 
     worker_cls = "tests.vllm_faults:WedgingWorker"
+
+
+class UnwatchedWorker(VllmWorker):
+    """rollgen's vLLM worker whose watcher looks at the engine's processes once an hour: the
+    moment between an engine process's end and the watcher's next look, held open."""
+
+    watch_interval_s = 3600.0
+
+    def engine_seen_dead(self) -> bool:
+        """Whether vLLM's client has seen its engine core end (its own flag): a call then
+        raises ``EngineDeadError`` (one sent before that waits for an answer that never comes)."""
+        return bool(self.llm.llm_engine.engine_core.resources.engine_dead)
+
+
+class UnwatchedGeneration(VllmGeneration):
+    """The vLLM backend on ``UnwatchedWorker``s."""
+
+    worker_cls = "tests.vllm_faults:UnwatchedWorker"
 
 
 class DyingRank(RollgenWorkerExtension):

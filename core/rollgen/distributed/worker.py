@@ -5,15 +5,16 @@ engine hooks (vLLM's and SGLang's workers subclass it)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import ray
 import torch
@@ -31,6 +32,19 @@ from rollgen.sampling import SampleParams
 from rollgen.streaming_loop import StepLoop, StepOutput
 
 logger = logging.getLogger(__name__)
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _engine_call(method: _Method) -> _Method:
+    """A protocol method of ``EngineWorker``, after which an error that says the engine ended
+    ends the worker (``EngineWorker._ending``)."""
+
+    @functools.wraps(method)
+    def call(self: EngineWorker, *args: Any, **kwargs: Any) -> Any:
+        return self._ending(method)(self, *args, **kwargs)
+
+    return cast(_Method, call)
 
 
 @dataclass(frozen=True)
@@ -107,7 +121,10 @@ class EngineWorker(ABC):
     The engine's own processes (those of this actor's descendants whose command line starts
     with one of ``engine_processes``) are watched from a thread: if one ends while the engine
     runs, the worker logs which and exits, so the driver's next or pending call fails at once
-    with a ``WorkerError`` naming this worker instead of waiting on a dead engine."""
+    with a ``WorkerError`` naming this worker instead of waiting on a dead engine. A call (or a
+    step) that meets the engine's own error for that (``_engine_ended``: vLLM's
+    ``EngineDeadError``) before the watcher's next look exits the same way, so it fails as the
+    worker's death too, not as an error of the call."""
 
     #: Command-line prefixes of the engine's processes (process titles such as
     #: ``VLLM::EngineCore``).
@@ -131,9 +148,9 @@ class EngineWorker(ABC):
         self._ended: list[FinishedSample] = []
         self._moved: dict[str, tuple[list[int], list[float]]] = {}
         self._streaming = StepLoop(
-            self._add_samples,
-            self._step,
-            self._abort_samples,
+            self._ending(self._add_samples),
+            self._ending(self._step),
+            self._ending(self._abort_samples),
             self._report,
             f"engine {spec.index}",
             self._report_progress,
@@ -148,15 +165,36 @@ class EngineWorker(ABC):
             gone = [(pid, cmd) for pid, cmd in watched.items() if not running(pid)]
             if gone and not self._stopped:
                 pid, cmd = gone[0]
-                logger.error(
-                    "engine %d: its process %r (pid %d) ended; this worker exits so that calls fail "
-                    "instead of waiting on a dead engine",
-                    self.spec.index,
-                    cmd.split()[0],
-                    pid,
-                )
-                os._exit(1)
+                self._exit(f"its process {cmd.split()[0]!r} (pid {pid}) ended")
             time.sleep(self.watch_interval_s)
+
+    def _exit(self, why: str) -> None:
+        """End this worker's process (the engine is dead): the driver's pending and later calls
+        fail as its death."""
+        logger.error(
+            "engine %d: %s; this worker exits so that calls fail instead of waiting on a dead engine",
+            self.spec.index,
+            why,
+        )
+        os._exit(1)
+
+    def _engine_ended(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by a call into the engine, says one of the engine's processes
+        ended (before the watcher's next look); none does here."""
+        return False
+
+    def _ending(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        """``hook``, after which an error that says the engine ended ends this worker."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return hook(*args, **kwargs)
+            except BaseException as exc:
+                if self._engine_ended(exc):
+                    self._exit(f"it raised {type(exc).__name__}: {exc}")
+                raise
+
+        return call
 
     # ---- the protocol (what the driver calls) ---------------------------------------------------
     def ready(self) -> dict[str, Any]:
@@ -177,6 +215,7 @@ class EngineWorker(ABC):
             **self._describe(),
         }
 
+    @_engine_call
     def generate(self, request: GenerateRequest) -> BatchedDataDict[Any]:
         """Generate for one shard; output in the contract's layout."""
         tokens, logprobs = self._generate(request.prompts(), request.params)
@@ -184,6 +223,7 @@ class EngineWorker(ABC):
             request.input_ids, request.input_lengths, tokens, logprobs, self.spec.pad_token_id
         )
 
+    @_engine_call
     def apply_bucket(self, layout: str, data: bytes, transport: str, reset_prefix: bool = False) -> None:
         """Load one pickled, validated ``WeightBucket`` of ``transport`` (one pickle per worker:
         shared-memory handles open once per receiver, and a kept layout's bucket carries this
@@ -194,6 +234,7 @@ class EngineWorker(ABC):
         if reset_prefix:
             self._reset_prefix_cache()
 
+    @_engine_call
     def load_adapter(self, version: int, data: bytes, drop: Sequence[int] = ()) -> None:
         """Free adapter versions ``drop``, then hold the pickled, validated adapter bucket
         ``data`` (the whole adapter; this worker's own pickle) as adapter ``version``; samples
@@ -209,6 +250,7 @@ class EngineWorker(ABC):
 
         self._streaming.call(load)
 
+    @_engine_call
     def drop_adapter(self, version: int) -> None:
         """Free adapter ``version`` (no sample decodes with it any more), between two steps."""
         self._require_lora()
@@ -220,6 +262,7 @@ class EngineWorker(ABC):
                 f"{type(self).__name__} was started without the config's lora; it holds no adapters"
             )
 
+    @_engine_call
     def open_channels(self, authkey: bytes, capacity: int) -> list[str]:
         """The address of a refit channel to each of this engine's ranks, which loads what
         ``apply_bucket`` loads without the Ray call and the engine's RPC, and a kept layout by
@@ -228,33 +271,40 @@ class EngineWorker(ABC):
         has none."""
         return self._open_channels(authkey, capacity)
 
+    @_engine_call
     def release_staged(self, keys: list[str]) -> None:
         """Unmap the trainer's staging buffers ``keys`` (it frees them once every worker has)."""
         self._release_staged(keys)
 
+    @_engine_call
     def join_weight_sync(self, spec: SyncGroupSpec, first_rank: int) -> None:
         """Join a weight-sync group: this engine's TP rank r as ``first_rank + r``."""
         self._join_weight_sync(spec, first_rank)
 
+    @_engine_call
     def receive_weights(self, spec: WeightSpec) -> bool:
         """Receive one update over the weight-sync group on every rank (``collective.receive``,
         checked against ``spec``); whether it was partial."""
         return self._receive_weights(spec)
 
+    @_engine_call
     def reset_prefix_cache(self) -> None:
         self._reset_prefix_cache()
 
+    @_engine_call
     def clear_kv_cache(self) -> None:
         """Drop every cached prefix and zero the KV cache (after outputs with NaN logprobs)."""
         self._reset_prefix_cache()
         self._clear_kv_cache()
 
+    @_engine_call
     def sleep(self) -> None:
         """Reset the prefix cache and, with sleep mode, release the engine's device memory."""
         self._reset_prefix_cache()
         if self.spec.sleep_enabled:
             self._release_memory()
 
+    @_engine_call
     def wake(self, tags: list[str]) -> None:
         if self.spec.sleep_enabled:
             self._resume_memory(tags)
@@ -266,10 +316,12 @@ class EngineWorker(ABC):
             self._stop()
 
     # ---- streamed samples -----------------------------------------------------------------------
+    @_engine_call
     def start_samples(self, requests: list[SampleRequest]) -> None:
         """Start decoding ``requests`` (returns at once; ``poll`` reports them as they end)."""
         self._streaming.start(requests)
 
+    @_engine_call
     def abort_samples(self, keys: list[str]) -> None:
         """End the samples ``keys`` that still run (each reported aborted, with its tokens)."""
         self._streaming.abort(keys)

@@ -18,6 +18,9 @@ from rollgen.errors import ConfigError, RollgenError, WorkerError
 
 logger = logging.getLogger(__name__)
 
+#: How often ``until_dead`` asks a killed actor that still answers again.
+DEATH_POLL_S = 0.02
+
 
 @dataclass(frozen=True)
 class TiedGroup:
@@ -253,7 +256,25 @@ class RayWorkerGroup:
                     logger.warning("worker cleanup failed: %s", exc)
         for w in self.workers:
             ray.kill(w, no_restart=True)
-        # a call to a killed actor resolves (as an error) once Ray has seen its process exit
-        deaths = [w.__ray_ready__.remote() for w in self.workers]
-        ray.wait(deaths, num_returns=len(deaths), timeout=timeout_s)
+        until_dead(self.workers, timeout_s)
         self.workers = []
+
+
+def until_dead(actors: list[Any], timeout_s: float) -> None:
+    """Return once a call to each of ``actors`` (killed) fails, as it does once Ray has seen its
+    process exit, or after ``timeout_s``: ``ray.kill`` returns at once, and a call sent before
+    the actor has taken the kill still runs on it."""
+    deadline = time.monotonic() + timeout_s
+    alive = list(actors)
+    while alive and (left := deadline - time.monotonic()) > 0:
+        calls = {a.__ray_ready__.remote(): a for a in alive}
+        answered, _ = ray.wait(list(calls), num_returns=len(calls), timeout=left)
+        alive = []
+        for ref in answered:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                continue  # dead
+            alive.append(calls[ref])
+        if alive:
+            time.sleep(DEATH_POLL_S)

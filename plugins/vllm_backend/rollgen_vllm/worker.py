@@ -188,6 +188,13 @@ class VllmWorker(EngineWorker):
         logs.quiet()  # after the engine's start, which (re)configures vLLM's log handlers
         self.flat_logprobs = flat_logprobs_supported()
 
+    def _engine_ended(self, exc: BaseException) -> bool:
+        """vLLM's ``EngineDeadError``: its engine core (or a worker of it) ended, which vLLM
+        sees before this worker's watcher does."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        return isinstance(exc, EngineDeadError)
+
     def _describe(self) -> dict[str, Any]:
         import vllm
 
