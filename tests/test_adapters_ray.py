@@ -107,8 +107,20 @@ def vllm_gen(hf_config: dict):
     config = {**hf_config, "backend": "vllm", "max_new_tokens": 12, "seed": 11}
     config["lora"] = {"rank": 4, "alpha": 8, "max_versions": 2}
     config["vllm_cfg"] = {"kv_cache_memory_bytes": 64 << 20, "in_process": True, "cpus_per_bundle": 0.1}
+    # rollgen's extension, which records whether each step holds its refit channel's lock
+    config["vllm_kwargs"] = {"worker_extension_cls": "tests.vllm_faults.StepRecorder"}
     with rollgen.create_generation(config) as gen:
         yield gen
+
+
+def test_vllm_steps_hold_the_refit_channels_lock(vllm_gen, batch: dict) -> None:
+    """Every step of the engine holds the lock its refit channel takes for each request (an
+    adapter version is written while samples of others decode): the model runner's step that
+    vLLM calls is the one rollgen wrapped."""
+    assert vllm_gen.updates.link.channels, "the engine's ranks opened refit channels"
+    vllm_gen.generate(batch, greedy=True)
+    (steps,) = vllm_gen.collective_rpc("recorded_steps")[0]
+    assert steps and all(steps), steps
 
 
 @pytest.fixture(scope="module")

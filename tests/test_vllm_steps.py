@@ -1,8 +1,10 @@
 """The vLLM worker extension's step lock (``RollgenWorkerExtension.rollgen_steps``): what a rank's
 refit channel does (an adapter version written while samples of other versions decode) falls
-between two of its engine's steps. The worker is a stand-in with a step of its own (vLLM's step
-cannot be held at a chosen point); each test holds one side, waits until the other has arrived at
-the lock, then lets go: with the lock the other side sees the first ended, without it, not."""
+between two of its engine's steps. The worker is a stand-in whose model runner's step is its own
+(vLLM's step cannot be held at a chosen point): each test lets one side into its work and holds
+it there, waits until the other side has arrived at the lock, then lets go. With the lock the
+other side finds the first one's work ended; without it, under way. (On real vLLM,
+``tests/test_adapters_ray.py`` checks that every step of a generate holds the lock.)"""
 
 from __future__ import annotations
 
@@ -15,64 +17,69 @@ from tests.waiting import SAFETY_S
 
 
 class SteppedWorker(RollgenWorkerExtension):
-    """Stand-in for a vLLM worker: ``execute_model`` is a step that waits for ``go`` (set
-    already unless a test clears it), ``rollgen_drop_adapter`` a channel request's work that
-    waits for ``go_request``; each records whether the other was under way."""
+    """Stand-in for a vLLM worker: its model runner's ``execute_model`` is a step that waits for
+    ``go`` (set unless a test clears it); ``rollgen_drop_adapter`` a channel request's work that
+    waits for ``go_request``; each records whether the other was under way, and says it is under
+    way itself (``stepping``, ``requesting`` events)."""
 
     def __init__(self) -> None:
         self.go, self.go_request = threading.Event(), threading.Event()
         self.go.set()
         self.go_request.set()
-        self.stepping = self.requesting = False
+        self.stepping, self.requesting = threading.Event(), threading.Event()
         self.step_saw_request: list[bool] = []
         self.request_saw_step: list[bool] = []
+        self.model_runner = self.Runner(self)
 
-    def execute_model(self, scheduler_output: Any) -> Any:
-        self.step_saw_request.append(self.requesting)
-        self.stepping = True
-        assert self.go.wait(SAFETY_S)
-        self.stepping = False
-        return scheduler_output
+    class Runner:
+        def __init__(self, worker: SteppedWorker) -> None:
+            self.worker = worker
+
+        def execute_model(self, scheduler_output: Any) -> Any:
+            w = self.worker
+            w.step_saw_request.append(w.requesting.is_set())
+            w.stepping.set()
+            assert w.go.wait(SAFETY_S)
+            w.stepping.clear()
+            return scheduler_output
 
     def rollgen_drop_adapter(self, version: int) -> None:
-        self.request_saw_step.append(self.stepping)
-        self.requesting = True
+        self.request_saw_step.append(self.stepping.is_set())
+        self.requesting.set()
         assert self.go_request.wait(SAFETY_S)
-        self.requesting = False
+        self.requesting.clear()
 
     def rollgen_load_request(self, layout: str, data: bytes | None, replay: bool) -> bool:
         return layout == "held"
 
 
-def arrival(worker: SteppedWorker, name: str) -> threading.Event:
-    """Wrap ``worker``'s method ``name`` (already locked) with an event set as a call arrives."""
-    arrived, inner = threading.Event(), getattr(worker, name)
+SETUP = {"r": 4, "lora_alpha": 8}
 
-    def call(*args: Any) -> Any:
-        arrived.set()
-        return inner(*args)
 
-    setattr(worker, name, call)
-    return arrived
+def arrival(lock: threading.Lock) -> tuple[Any, threading.Event]:
+    """A stand-in for ``lock`` (a context manager) that says when a thread arrives at it."""
+    arrived = threading.Event()
+
+    class Watched:
+        def __enter__(self) -> None:
+            arrived.set()
+            lock.acquire()
+
+        def __exit__(self, *exc: Any) -> None:
+            lock.release()
+
+    return Watched(), arrived
 
 
 def test_a_channel_request_waits_for_the_step_under_way() -> None:
     worker = SteppedWorker()
-    steps = worker.rollgen_steps  # wraps execute_model
+    steps = worker.rollgen_steps  # wraps the runner's execute_model
     worker.go.clear()
-    step = threading.Thread(target=worker.execute_model, args=("out",))
+    step = threading.Thread(target=worker.model_runner.execute_model, args=("out",))
     step.start()
-    arrived = threading.Event()
-
-    class Watched:  # the channel's lock, with its arrival seen
-        def __enter__(self) -> None:
-            arrived.set()
-            steps.acquire()
-
-        def __exit__(self, *exc: Any) -> None:
-            steps.release()
-
-    request = threading.Thread(target=worker.rollgen_answer, args=(DropAdapter(3), False, None, Watched()))
+    assert worker.stepping.wait(SAFETY_S), "the step did not start"
+    watched, arrived = arrival(steps)
+    request = threading.Thread(target=worker.rollgen_answer, args=(DropAdapter(3), False, SETUP, watched))
     request.start()
     assert arrived.wait(SAFETY_S)
     worker.go.set()
@@ -84,24 +91,31 @@ def test_a_channel_request_waits_for_the_step_under_way() -> None:
 def test_a_step_waits_for_the_channel_request_under_way() -> None:
     worker = SteppedWorker()
     steps = worker.rollgen_steps
-    arrived = arrival(worker, "execute_model")
+    locked_step = worker.model_runner.execute_model
+    arrived = threading.Event()
+
+    def step() -> None:  # arrives at the step's lock
+        arrived.set()
+        locked_step("out")
+
     worker.go_request.clear()
-    request = threading.Thread(target=worker.rollgen_answer, args=(DropAdapter(3), False, None, steps))
+    request = threading.Thread(target=worker.rollgen_answer, args=(DropAdapter(3), False, SETUP, steps))
     request.start()
-    step = threading.Thread(target=worker.execute_model, args=("out",))
-    step.start()
+    assert worker.requesting.wait(SAFETY_S), "the request did not start"
+    stepping = threading.Thread(target=step)
+    stepping.start()
     assert arrived.wait(SAFETY_S)
     worker.go_request.set()
     request.join(SAFETY_S)
-    step.join(SAFETY_S)
+    stepping.join(SAFETY_S)
     assert worker.step_saw_request == [False], "a step ran while a channel request was under way"
 
 
 def test_the_lock_is_made_and_the_steps_wrapped_once() -> None:
     worker = SteppedWorker()
     steps = worker.rollgen_steps
-    wrapped = worker.execute_model
-    assert worker.rollgen_steps is steps and worker.execute_model is wrapped
+    wrapped = worker.model_runner.execute_model
+    assert worker.rollgen_steps is steps and worker.model_runner.execute_model is wrapped
     assert wrapped("out") == "out" and not steps.locked()
     assert worker.rollgen_answer(LoadBucket("held", None), False, None, steps) is True
     assert worker.rollgen_answer(LoadBucket("other", None), False, None, steps) is False

@@ -3,7 +3,8 @@
 once, on the last rank of the weight-sync group (the second replica's, with DP=2);
 ``WedgingWorker``, rollgen's vLLM worker whose ``generate`` hangs for ever once told to;
 ``UnwatchedWorker``, rollgen's vLLM worker whose watcher of the engine's processes looks once
-an hour; and
+an hour; ``StepRecorder`` (a probe, not a fault), rollgen's worker extension that records
+whether each step holds the refit channel's lock; and
 ``DyingRank``, rollgen's worker extension that kills its engine's actor at a chosen point inside
 a call (``arm_death``): the real death of a replica, at a moment a kill from outside cannot
 pick."""
@@ -72,6 +73,28 @@ class UnwatchedGeneration(VllmGeneration):
     """The vLLM backend on ``UnwatchedWorker``s."""
 
     worker_cls = "tests.vllm_faults:UnwatchedWorker"
+
+
+class StepRecorder(RollgenWorkerExtension):
+    """rollgen's worker extension that records, at each model-runner step, whether the step holds
+    the lock of the rank's refit channel (a probe, not a fault: real vLLM otherwise)."""
+
+    @property
+    def rollgen_steps(self) -> threading.Lock:
+        if getattr(self, "_rollgen_steps", None) is None:  # under the lock rollgen wraps it in
+            runner, self.steps_locked = self.model_runner, []
+            step = runner.execute_model
+
+            def recorded(*args: Any, **kwargs: Any) -> Any:
+                self.steps_locked.append(self._rollgen_steps.locked())
+                return step(*args, **kwargs)
+
+            runner.execute_model = recorded
+        return super().rollgen_steps
+
+    def recorded_steps(self) -> list[bool]:
+        """Whether each step so far held the lock."""
+        return list(getattr(self, "steps_locked", []))
 
 
 class DyingRank(RollgenWorkerExtension):

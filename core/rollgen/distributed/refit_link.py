@@ -221,7 +221,24 @@ class RayLink:
             self.channels.channels[engine] = []
 
     def replica_returned(self, engine: int) -> None:
-        """Nothing to do: ``adopt`` connected its channels before it returned."""
+        """Engine ``engine`` is back in service (``adopt`` brought it up to date, or it received
+        an update over the weight-sync group): connect its refit channels, where the others
+        have theirs. The kept layouts start afresh on every engine (none holds a handle the
+        returned one lacks)."""
+        if not self.channels or self.channels.channels[engine]:
+            return
+        self.release()
+        self.channels.forget()
+        worker, name = self.group.workers[engine], self.group.names[engine]
+        addresses = self.group.get([worker.open_channels.remote(self._authkey, self.capacity)], names=[name])[
+            0
+        ]
+        opened = channel.connect([addresses], self._authkey, [name]) if addresses else []
+        if opened:
+            self.channels.channels[engine] = opened[0]
+        else:  # an engine without channels: every update goes through the actors
+            logger.warning("%s: %s opened no refit channel; refits go through the actors", self.name, name)
+            self.channels.close()
 
     def give_adapters(self, engine: int) -> None:
         """Load every adapter version held into engine ``engine`` (out of service), through
@@ -235,9 +252,9 @@ class RayLink:
     def adopt(self, engine: int, buckets: Iterable[WeightBucket]) -> None:
         """Bring the new engine ``engine`` (still out of service) to the current weights: load
         ``buckets`` (the last one resets its prefix cache) and every adapter version held
-        through its actor, then connect its refit channels. The kept layouts (staging buffers,
-        tensors read in place) start afresh on every engine, so none holds a handle the new one
-        lacks."""
+        through its actor (its channels connect once it returns). The kept layouts (staging
+        buffers, tensors read in place) start afresh on every engine, so none holds a handle the
+        new one lacks."""
         self.release()
         self.channels.forget()
         worker, name = self.group.workers[engine], self.group.names[engine]
@@ -246,18 +263,6 @@ class RayLink:
             ref = worker.apply_bucket.remote("", pickle.dumps(bucket), bucket.transport, n == len(todo))
             self.group.get([ref], names=[name])
         self.give_adapters(engine)
-        if self.channels:
-            addresses = self.group.get(
-                [worker.open_channels.remote(self._authkey, self.capacity)], names=[name]
-            )[0]
-            opened = channel.connect([addresses], self._authkey, [name]) if addresses else []
-            if opened:
-                self.channels.channels[engine] = opened[0]
-            else:  # an engine without channels: every update goes through the actors
-                logger.warning(
-                    "%s: %s opened no refit channel; refits go through the actors", self.name, name
-                )
-                self.channels.close()
 
     # ---- what refits keep -------------------------------------------------------------------------
     def release(self) -> None:

@@ -36,6 +36,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Callable
@@ -203,18 +204,22 @@ class Channel:
         except OSError as exc:
             raise self._closed(exc) from None
 
-    def result(self, timeout_s: float | None = None) -> Any:
+    def result(self, timeout_s: float | None = None, deadline: float | None = None) -> Any:
         """The answer to the oldest request not yet answered: what the rank's handler returned.
 
         Args:
             timeout_s: how long the rank may take (None: no limit).
+            deadline: the ``time.monotonic()`` the answer is due by, in place of ``timeout_s``
+                from now (requests sent together share one).
 
         Raises:
             What the rank's handler raised; WorkerError: the channel closed, or (``died=True``) the
                 rank did not answer within ``timeout_s`` (wedged: the channel closes, as its
                 answers would come out of step)."""
         try:
-            if timeout_s is not None and not self._conn.poll(timeout_s):
+            if deadline is None and timeout_s is not None:
+                deadline = time.monotonic() + timeout_s
+            if deadline is not None and not self._conn.poll(max(0.0, deadline - time.monotonic())):
                 self.close()
                 raise WorkerError(
                     self.name,
@@ -351,8 +356,10 @@ class EngineChannels:
         timeout_s: float | None,
         errors: list[RollgenError],
     ) -> list[tuple[int, Channel, Any]]:
-        """Send each request, then read each answer (engine, rank, answer), adding to
-        ``errors`` what ranks raised; answers left unread close every channel."""
+        """Send each request, then read each answer (engine, rank, answer) within ``timeout_s``
+        of the sending (one deadline for every rank), adding to ``errors`` what ranks raised;
+        answers left unread close every channel."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         sent, answers = [], []
         try:
             try:
@@ -363,7 +370,7 @@ class EngineChannels:
                 errors.append(exc)
             for i, rank in sent:
                 try:
-                    answers.append((i, rank, rank.result(timeout_s)))
+                    answers.append((i, rank, rank.result(timeout_s, deadline)))
                 except RollgenError as exc:
                     errors.append(exc)
         except BaseException:  # answers left unread: these channels are out of step

@@ -11,6 +11,7 @@ version's ``lora_int_id`` finds it loaded and vLLM never reads its path."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import pickle
@@ -18,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -88,15 +89,17 @@ class RollgenWorkerExtension:
 
     @property
     def rollgen_steps(self) -> threading.Lock:
-        """A lock this worker's steps hold (``execute_model``, ``sample_tokens``, wrapped on
-        first use): what runs under it falls between two steps. An adapter version is written
-        while samples of other versions decode, and vLLM's LoRA bookkeeping is read by a step."""
+        """A lock this worker's steps hold (its model runner's ``execute_model`` and
+        ``sample_tokens``, which every executor of vLLM's calls, wrapped on first use): what
+        runs under it falls between two steps. An adapter version is written while samples of
+        other versions decode, and a step reads vLLM's LoRA bookkeeping."""
         lock: threading.Lock | None = getattr(self, "_rollgen_steps", None)
         if lock is None:
             lock = self._rollgen_steps = threading.Lock()
+            runner = self.model_runner
             for name in STEP_METHODS:
-                if (step := getattr(self, name, None)) is not None:
-                    setattr(self, name, _holding(lock, step))
+                if (step := getattr(runner, name, None)) is not None:
+                    setattr(runner, name, _holding(lock, step))
         return lock
 
     def rollgen_answer(
@@ -105,18 +108,16 @@ class RollgenWorkerExtension:
         """What this rank's refit channel answers ``request`` with, taken between two steps
         (``steps``): a bucket loaded (``LoadBucket``: whether its layout was held), an adapter
         version held or freed (``LoadAdapter``, ``DropAdapter``)."""
+        if isinstance(request, (LoadAdapter, DropAdapter)) and setup is None:
+            raise RefitError("this engine was started without the config's lora: it holds no adapters")
         with steps:
             if isinstance(request, DropAdapter):
                 self.rollgen_drop_adapter(request.version)
                 return None
             if isinstance(request, LoadAdapter):
-                if setup is None:
-                    raise RefitError(
-                        "this engine was started without the config's lora: it holds no adapters"
-                    )
                 for old in request.drop:
                     self.rollgen_drop_adapter(old)
-                self.rollgen_take_adapter(request.version, request.data, setup)
+                self.rollgen_take_adapter(request.version, request.data, cast(dict[str, Any], setup))
                 return None
             layout, data = request
             return self.rollgen_load_request(layout, data, replay)
@@ -290,13 +291,15 @@ class RollgenWorkerExtension:
                     self.rollgen_write_adapter(version, named, setup)
 
 
-#: A vLLM worker's methods that run a step (``sample_tokens``: vLLM 0.26 on, after ``execute_model``).
+#: A vLLM model runner's methods that run a step (``sample_tokens``: vLLM 0.26 on, after
+#: ``execute_model``).
 STEP_METHODS = ("execute_model", "sample_tokens")
 
 
 def _holding(lock: threading.Lock, step: Callable[..., Any]) -> Callable[..., Any]:
     """``step``, run holding ``lock``."""
 
+    @functools.wraps(step)
     def locked(*args: Any, **kwargs: Any) -> Any:
         with lock:
             return step(*args, **kwargs)
