@@ -15,7 +15,7 @@ from rollgen.testing import load_reference_model
 from rollgen.testing.faults import kill_replica
 from rollgen.testing.prompts import PROMPTS, encode
 from rollgen.testing.reference import perturbed_model
-from tests.vllm_faults import arm_death, fleet_config
+from tests.vllm_faults import arm_death, engine_core, fleet_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
@@ -96,21 +96,14 @@ def test_an_engine_core_killed_in_its_own_process_leaves_no_shared_memory(fleet,
     replaced, and the shared memory its engine's processes made (vLLM's message queues and
     locks in ``/dev/shm``, which nothing else unlinks once they are killed) is gone once the
     replacement started; the replacement's own stays while it serves."""
-    import psutil
-
-    from rollgen.processes import SHM_DIR, descendants, engine_processes, wait_for_exit
+    from rollgen.processes import SHM_DIR, wait_for_exit
     from rollgen.testing.faults import kill_process
-    from rollgen_vllm.worker import VllmWorker
 
     served = fleet.generate(batch, greedy=True)["output_ids"]
     info, restarts = fleet.engines.info(1), fleet.replicas[1].restarts
     segments = info["shared_memory"]
     assert segments and all((SHM_DIR / name).exists() for name in segments), segments
-    # the actor's child among the engine's processes (titled VLLM::EngineCore, or not titled)
-    children = {p.pid for p in psutil.Process(info["pid"]).children()}
-    engine_core = [p for p in engine_processes(info["pid"], VllmWorker.engine_processes) if p in children]
-    assert len(engine_core) == 1, descendants(info["pid"])
-    kill_process(engine_core[0])
+    kill_process(engine_core(info["pid"]))
     wait_for_exit([info["pid"]])  # the actor's watcher ends it (EngineWorker._watch)
     assert torch.equal(fleet.generate(batch, greedy=True)["output_ids"], served)
     assert torch.equal(serves_on_both(fleet, batch, 1, restarts=restarts + 1), served)

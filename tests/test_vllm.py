@@ -239,18 +239,12 @@ def test_a_dead_engine_core_is_a_worker_error_not_a_hang(dp1, batch: dict) -> No
     import os
     import signal
 
-    import psutil
-
-    from rollgen.processes import descendants, engine_processes, running, wait_for_exit
-    from rollgen_vllm.worker import VllmWorker
+    from rollgen.processes import running, wait_for_exit
+    from tests.vllm_faults import engine_core
 
     dp1.generate(batch, greedy=True)
     pid = dp1.engines.info(0)["pid"]
-    # the actor's child among the engine's processes (titled VLLM::EngineCore, or not titled)
-    children = {p.pid for p in psutil.Process(pid).children()}
-    core = [p for p in engine_processes(pid, VllmWorker.engine_processes) if p in children]
-    assert len(core) == 1, descendants(pid)
-    os.kill(core[0], signal.SIGKILL)
+    os.kill(engine_core(pid), signal.SIGKILL)
     # the actor's watcher ends it (EngineWorker._watch, within watch_interval_s; a call before
     # that meets vLLM's EngineDeadError, which ends it too: test_vllm_reliability.py)
     wait_for_exit([pid], timeout_s=SAFETY_S)

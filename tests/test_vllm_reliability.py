@@ -127,24 +127,16 @@ def test_a_call_that_meets_a_dead_engine_core_fails_as_the_workers_death(
     stand-in), and once vLLM has seen it: the next generate meets vLLM's ``EngineDeadError``, on
     which the worker exits, so the call fails as its death (it was an error of the call, the
     generation still usable)."""
-    import psutil
-
     from rollgen.config import validate_config
-    from rollgen.processes import engine_processes
     from rollgen.testing.faults import kill_process
     from rollgen_vllm.config import VllmConfig
-    from rollgen_vllm.worker import VllmWorker
-    from tests.vllm_faults import UnwatchedGeneration
+    from tests.vllm_faults import UnwatchedGeneration, engine_core
 
     cfg = tiny_config("vllm", model_dir, vllm_cfg={**ENGINE, "in_process": False})
     gen = UnwatchedGeneration(validate_config(cfg, VllmConfig))
     try:
         gen.generate(short_prompts, greedy=True)
-        pid = gen.engines.info(0)["pid"]
-        children = {p.pid for p in psutil.Process(pid).children()}
-        core = [p for p in engine_processes(pid, VllmWorker.engine_processes) if p in children]
-        assert len(core) == 1, core
-        kill_process(core[0])
+        kill_process(engine_core(gen.engines.info(0)["pid"]))
         worker = gen.engines.group.workers[0]
         wait_until(lambda: ray.get(worker.engine_seen_dead.remote()), "vLLM saw its engine core end")
         with pytest.raises(WorkerError, match="rollgen-vllm-dp0: died") as info:

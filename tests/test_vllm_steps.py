@@ -71,20 +71,33 @@ def arrival(lock: threading.Lock) -> tuple[Any, threading.Event]:
     return Watched(), arrived
 
 
+def one_then_the_other(
+    first: Any, under_way: threading.Event, release: threading.Event, second: Any, arrived: threading.Event
+) -> None:
+    """Start ``first`` (held until ``release``); once it is ``under_way``, start ``second``; once
+    that has ``arrived`` at the lock, let ``first`` go; both end."""
+    release.clear()
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    threads[0].start()
+    assert under_way.wait(SAFETY_S), "the first side did not start"
+    threads[1].start()
+    assert arrived.wait(SAFETY_S), "the second side did not reach the lock"
+    release.set()
+    for thread in threads:
+        thread.join(SAFETY_S)
+
+
 def test_a_channel_request_waits_for_the_step_under_way() -> None:
     worker = SteppedWorker()
     steps = worker.rollgen_steps  # wraps the runner's execute_model
-    worker.go.clear()
-    step = threading.Thread(target=worker.model_runner.execute_model, args=("out",))
-    step.start()
-    assert worker.stepping.wait(SAFETY_S), "the step did not start"
     watched, arrived = arrival(steps)
-    request = threading.Thread(target=worker.rollgen_answer, args=(DropAdapter(3), False, SETUP, watched))
-    request.start()
-    assert arrived.wait(SAFETY_S)
-    worker.go.set()
-    step.join(SAFETY_S)
-    request.join(SAFETY_S)
+    one_then_the_other(
+        lambda: worker.model_runner.execute_model("out"),
+        worker.stepping,
+        worker.go,
+        lambda: worker.rollgen_answer(DropAdapter(3), False, SETUP, watched),
+        arrived,
+    )
     assert worker.request_saw_step == [False], "the request ran while a step was under way"
 
 
@@ -98,16 +111,13 @@ def test_a_step_waits_for_the_channel_request_under_way() -> None:
         arrived.set()
         locked_step("out")
 
-    worker.go_request.clear()
-    request = threading.Thread(target=worker.rollgen_answer, args=(DropAdapter(3), False, SETUP, steps))
-    request.start()
-    assert worker.requesting.wait(SAFETY_S), "the request did not start"
-    stepping = threading.Thread(target=step)
-    stepping.start()
-    assert arrived.wait(SAFETY_S)
-    worker.go_request.set()
-    request.join(SAFETY_S)
-    stepping.join(SAFETY_S)
+    one_then_the_other(
+        lambda: worker.rollgen_answer(DropAdapter(3), False, SETUP, steps),
+        worker.requesting,
+        worker.go_request,
+        step,
+        arrived,
+    )
     assert worker.step_saw_request == [False], "a step ran while a channel request was under way"
 
 

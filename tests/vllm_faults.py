@@ -57,6 +57,19 @@ class WedgingGeneration(VllmGeneration):
     worker_cls = "tests.vllm_faults:WedgingWorker"
 
 
+def engine_core(actor_pid: int) -> int:
+    """The pid of the engine core of the vLLM worker whose actor is ``actor_pid``: the actor's
+    child among the engine's processes (titled ``VLLM::EngineCore``, or not titled)."""
+    import psutil
+
+    from rollgen.processes import descendants, engine_processes
+
+    children = {p.pid for p in psutil.Process(actor_pid).children()}
+    core = [p for p in engine_processes(actor_pid, VllmWorker.engine_processes) if p in children]
+    assert len(core) == 1, descendants(actor_pid)
+    return core[0]
+
+
 class UnwatchedWorker(VllmWorker):
     """rollgen's vLLM worker whose watcher looks at the engine's processes once an hour: the
     moment between an engine process's end and the watcher's next look, held open."""

@@ -167,13 +167,13 @@ class RayLink:
         for old in drop:
             self._adapters.pop(old, None)
         kept = bucket.copied()
+        dropped = tuple(drop)
         if self.channels:
-            request = LoadAdapter(version, b"", tuple(drop))
             self.channels.call(
-                lambda i: request._replace(data=self._pickled(bucket, i)), self.group.call_timeout_s
+                lambda i: LoadAdapter(version, self._pickled(bucket, i), dropped), self.group.call_timeout_s
             )
         else:
-            args = [(version, self._pickled(bucket, i), tuple(drop)) for i in range(len(self.replicas))]
+            args = [(version, self._pickled(bucket, i), dropped) for i in range(len(self.replicas))]
             refs, names = self.replicas.submit(EngineWorker.load_adapter, args)
             try:
                 self.group.get(refs, names=names)
@@ -230,9 +230,8 @@ class RayLink:
         self.release()
         self.channels.forget()
         worker, name = self.group.workers[engine], self.group.names[engine]
-        addresses = self.group.get([worker.open_channels.remote(self._authkey, self.capacity)], names=[name])[
-            0
-        ]
+        opening = worker.open_channels.remote(self._authkey, self.capacity)
+        (addresses,) = self.group.get([opening], names=[name])
         opened = channel.connect([addresses], self._authkey, [name]) if addresses else []
         if opened:
             self.channels.channels[engine] = opened[0]

@@ -26,6 +26,7 @@ from rollgen.errors import RefitError
 from rollgen.output import assemble_from_lists
 from rollgen.processes import descendants, engine_processes, running, shared_memory
 from rollgen.refit import Named, WeightBucket, WeightSpec, release_staged
+from rollgen.refit.adapters import no_lora
 from rollgen.refit.transports.collective import SyncGroupSpec
 from rollgen.rollout import FinishedSample, SampleProgress, SampleRequest
 from rollgen.sampling import SampleParams
@@ -258,9 +259,7 @@ class EngineWorker(ABC):
 
     def _require_lora(self) -> None:
         if self.spec.lora is None:
-            raise RefitError(
-                f"{type(self).__name__} was started without the config's lora; it holds no adapters"
-            )
+            raise no_lora(type(self).__name__)
 
     @_engine_call
     def open_channels(self, authkey: bytes, capacity: int) -> list[str]:

@@ -107,6 +107,11 @@ class AdapterSpec:
         }
 
 
+def no_lora(engine: str) -> RefitError:
+    """The error of an adapter refit that reaches an engine started without the config's lora."""
+    return RefitError(f"{engine} was started without the config's lora; it holds no adapters")
+
+
 def adapter_tensors(source: Any) -> list[tuple[str, torch.Tensor]]:
     """The named tensors of an adapter: a PEFT model's (its active adapter, PEFT's names) or an
     adapter state dict's.

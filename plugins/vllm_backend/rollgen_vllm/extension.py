@@ -25,6 +25,7 @@ import torch
 
 from rollgen.errors import ConfigError, RefitError
 from rollgen.refit import Receiver, WeightSpec, device_uuid
+from rollgen.refit.adapters import no_lora
 from rollgen.refit.channel import ChannelServer, DropAdapter, LoadAdapter
 from rollgen.refit.checks import nonfinite
 from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, receive
@@ -109,7 +110,7 @@ class RollgenWorkerExtension:
         (``steps``): a bucket loaded (``LoadBucket``: whether its layout was held), an adapter
         version held or freed (``LoadAdapter``, ``DropAdapter``)."""
         if isinstance(request, (LoadAdapter, DropAdapter)) and setup is None:
-            raise RefitError("this engine was started without the config's lora: it holds no adapters")
+            raise no_lora(f"rank {self.rollgen_rank}")
         with steps:
             if isinstance(request, DropAdapter):
                 self.rollgen_drop_adapter(request.version)
