@@ -10,7 +10,7 @@ CONFORMANCE := $(PY) -m pytest -p rollgen.conformance --pyargs rollgen.conforman
 .PHONY: venv demo demo-agent test lint test-unit test-conformance test-gpu
 
 venv:
-	@bash scripts/bootstrap.sh
+	@ROLLGEN_VENV=$(VENV) bash scripts/bootstrap.sh
 
 demo: venv
 	$(VENV)/bin/rollgen demo

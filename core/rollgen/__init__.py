@@ -28,7 +28,7 @@ from rollgen.output import generated_mask
 from rollgen.refit import WeightBucket, iter_buckets, merge_buckets, pack_bucket
 from rollgen.refit.transports.collective import SyncGroupSpec, WeightSender
 from rollgen.registry import get_registry
-from rollgen.rollout import Rollout, SampleResult, UpdateMode
+from rollgen.rollout import Rollout, SampleResult, TokenDelta, UpdateMode
 from rollgen.spec import (
     SPEC_VERSION,
     Capability,
@@ -78,6 +78,7 @@ __all__ = [
     "SampleResult",
     "StaleWeights",
     "SyncGroupSpec",
+    "TokenDelta",
     "UnsupportedCapability",
     "UpdateMode",
     "WeightBucket",

@@ -304,7 +304,8 @@ class BaseGeneration(ABC):
         Batches submitted while others run share the engine (continuous batching); a weight
         update in between says what happens to them (``mode`` of ``refit``/``update_weights``)."""
         self.require(Capability.ASYNC, "submit (streamed rollouts)")
-        check_replica(replica, max(1, len(self.replica_load())))
+        if replica is not None:
+            check_replica(replica, max(1, len(self.replica_load())))
         batch, params = self._prepare(data, greedy)
         rollout = Rollout(self._streams, batch, self.cfg["pad_token_id"], tag, stream_tokens)
         self.updates.generated()

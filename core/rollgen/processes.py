@@ -24,7 +24,11 @@ def descendants(pid: int) -> dict[int, str]:
     while todo:
         parent = todo.pop()
         for tasks in Path(f"/proc/{parent}/task").glob("*/children"):
-            for child in map(int, tasks.read_text().split()):
+            try:
+                children = tasks.read_text().split()
+            except OSError:  # the thread or process ended since the listing
+                continue
+            for child in map(int, children):
                 if child not in found:
                     found[child] = _cmdline(child)
                     todo.append(child)

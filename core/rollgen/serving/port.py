@@ -20,6 +20,9 @@ from rollgen.rollout import Rollout, SampleResult, TokenDelta
 
 logger = logging.getLogger(__name__)
 
+#: How long closing waits for the submitting thread to submit what was queued and end.
+CLOSE_TIMEOUT_S = 30.0
+
 #: What a rollout hands on at once: a streamed one's tokens and results, else its results.
 Events = list[TokenDelta | SampleResult]
 
@@ -203,7 +206,11 @@ class Submitter:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
-            thread.join()
+            thread.join(CLOSE_TIMEOUT_S)
+            if thread.is_alive():  # a submit waiting for the generation (a refit holds it)
+                logger.warning(
+                    "the submitting thread did not end in %g s; left to end with the process", CLOSE_TIMEOUT_S
+                )
 
     def _ensure_thread(self) -> None:
         with self._start_lock:

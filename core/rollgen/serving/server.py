@@ -212,7 +212,11 @@ class Server:
         if self._front is not None:
             self._front.stop()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(GRACEFUL_S + 10)
+            if self._thread.is_alive():
+                logger.warning(
+                    "the server's thread did not stop in %d s; left to end with the process", GRACEFUL_S + 10
+                )
             self._thread = None
         if self._local_port is not None:
             self._local_port.close()

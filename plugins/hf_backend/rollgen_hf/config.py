@@ -2,11 +2,11 @@
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import Field
 from typing_extensions import NotRequired, TypedDict
 
 from rollgen.distributed.config import RayEngineCfg
-from rollgen.spec import EngineSubDict, GenerationConfig
+from rollgen.spec import STRICT, EngineSubDict, GenerationConfig
 
 #: transformers' attention kernel (None: the model's default); a key of both backends' ``hf_cfg``.
 AttnImplementation = NotRequired[Annotated[Literal["eager", "sdpa"] | None, Field(default=None)]]
@@ -15,7 +15,7 @@ HfKwargs = NotRequired[Annotated[dict[str, Any], Field(default_factory=dict)]]
 
 
 class HfCfg(TypedDict):
-    __pydantic_config__ = ConfigDict(extra="forbid", strict=True)  # type: ignore[misc]
+    __pydantic_config__ = STRICT  # type: ignore[misc]
 
     #: "cpu", "cuda", "cuda:1", or "auto" (cuda when available).
     device: NotRequired[Annotated[str, Field(default="auto")]]

@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 STEP_WAIT_S = 0.05
 #: Seconds a prefix-cache flush waits for aborted requests to leave SGLang's scheduler.
 FLUSH_WAIT_S = 60.0
+#: Seconds the tasks that ask Ray for the GPU of each of the group's bundles may take.
+GPU_IDS_TIMEOUT_S = 60.0
 
 
 def _bundle_gpu_ids(group: TiedGroup) -> list[str]:
@@ -39,14 +41,22 @@ def _bundle_gpu_ids(group: TiedGroup) -> list[str]:
     def gpu_id() -> str:
         return str(ray.get_gpu_ids()[0])
 
-    return ray.get(
-        [
-            gpu_id.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)
-            ).remote()
-            for b in group.bundle_indices
-        ]
-    )
+    refs = [
+        gpu_id.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)
+        ).remote()
+        for b in group.bundle_indices
+    ]
+    try:
+        return list(ray.get(refs, timeout=GPU_IDS_TIMEOUT_S))
+    except ray.exceptions.GetTimeoutError:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        raise RollgenError(
+            f"Ray did not run a task in each of the engine's placement-group bundles "
+            f"{list(group.bundle_indices)} within {GPU_IDS_TIMEOUT_S:g} s (are their GPUs taken?); "
+            "the engine did not start"
+        ) from None
 
 
 def sampling_params(params: Sequence[SampleParams], seeded: bool) -> list[dict[str, Any]]:
