@@ -57,6 +57,8 @@ class StepLoop:
         self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._stopped = False
         self._thread: threading.Thread | None = None
+        #: Tokens the engine made for the samples so far (what says it is not stuck).
+        self.tokens_made = 0
 
     def start(self, requests: list[SampleRequest]) -> None:
         """Hand ``requests`` to the thread (started on the first call); returns at once."""
@@ -142,6 +144,7 @@ class StepLoop:
                     self._abort(hit)
                     ended += [FinishedSample(k, *_tuples(running.pop(k)), aborted=True) for k in hit]
                 for key, tokens, logprobs, finished in self._step() if running else []:
+                    self.tokens_made += len(tokens)
                     if key in running:
                         running[key][0].extend(tokens)
                         running[key][1].extend(logprobs)

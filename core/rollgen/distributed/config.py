@@ -38,5 +38,6 @@ class RayEngineCfg(TypedDict):
         Annotated[Literal["debug", "info", "warning", "error", "critical"], Field(default="warning")]
     ]
     #: Seconds the driver waits for an engine's answer to one call (a generate, a refit's bucket,
-    #: ...) before it kills the engine's worker as wedged: ``WorkerError(died=True)``.
+    #: ...), or for a token from an engine that has streamed samples, before it kills the
+    #: engine's worker as wedged: ``WorkerError(died=True)``.
     call_timeout_s: NotRequired[Annotated[float, Field(gt=0, default=3600.0)]]

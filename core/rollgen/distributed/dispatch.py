@@ -9,13 +9,15 @@ in one call, so a burst of submits (a server's requests) reaches an engine in fe
 sample restarted after its engine died continues from the tokens already handed on (those of a
 sample that streams them), so nothing handed on is taken back. Which engines take samples, and
 with what capacity, is the replicas' (``rollgen.distributed.replicas``); the dispatcher listens
-for one that leaves service (its samples go to the others) or returns."""
+for one that leaves service (its samples go to the others) or returns. An engine that makes no
+token for ``call_timeout_s`` while it has samples is killed as wedged: its death, as any other."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -61,6 +63,10 @@ class SampleDispatcher:
         self._started = [0] * len(replicas)
         self._polls: dict[Any, int] = {}
         self._calls: dict[Any, int] = {}
+        #: Each engine's count of tokens made (its polls say), and since when it has had
+        #: samples and made none (None: it has none).
+        self._tokens = [0] * len(replicas)
+        self._quiet_since: list[float | None] = [None] * len(replicas)
         #: Samples ``start`` took and the sending thread has not yet queued (its own lock, so
         #: that a start never waits for a call to an engine).
         self._inbox: list[SampleRequest] = []
@@ -214,6 +220,35 @@ class SampleDispatcher:
             done, _ = ray.wait(refs, num_returns=1, timeout=WAIT_S)
             for ref in done:
                 self._answer(ref)
+            self._kill_wedged(time.monotonic())
+
+    def _kill_wedged(self, now: float) -> None:
+        """Kill each engine that has had samples and made no token for ``call_timeout_s`` (as of
+        ``now``): it fails as dead (its samples go elsewhere where the generation replaces)."""
+        limit = self.group.call_timeout_s
+        with self._lock:
+            for i, running in enumerate(self._load):
+                if not running:
+                    self._quiet_since[i] = None
+                elif self._quiet_since[i] is None:
+                    self._quiet_since[i] = now
+            wedged = [
+                i
+                for i, t in enumerate(self._quiet_since)
+                if limit is not None and t is not None and now - t > limit
+            ]
+            for i in wedged:  # its answers still to come are not read
+                self._quiet_since[i] = None
+                for refs in (self._polls, self._calls):
+                    for ref in [r for r, e in refs.items() if e == i]:
+                        del refs[ref]
+        for i in wedged:
+            name = self.group.names[i]
+            exc = self.group.kill_wedged(
+                {name}, f"made no token for call_timeout_s={limit} s while it had samples"
+            )
+            if not self.replicas.died(i, exc):
+                self._failed(i, name, exc)
 
     def _answer(self, ref: Any) -> None:
         with self._lock:
@@ -228,8 +263,9 @@ class SampleDispatcher:
         ended: list[FinishedSample] = []
         try:
             if polled:
-                packed, ended = self.group.get([ref], names=[name])[0]
+                packed, ended, tokens = self.group.get([ref], names=[name])[0]
                 moved = packed.unpack()
+                self._heard(engine, tokens)
             else:
                 self.group.get([ref], names=[name])
         except RollgenError as exc:  # a death the generation outlives re-runs its samples elsewhere
@@ -242,6 +278,14 @@ class SampleDispatcher:
             return
         self._moved(engine, moved)
         self._ended(engine, [dataclasses.replace(f, replica=engine) for f in ended])
+
+    def _heard(self, engine: int, tokens: int) -> None:
+        """Engine ``engine`` has made ``tokens`` tokens so far: if more than before, it is not
+        stuck."""
+        with self._lock:
+            if tokens != self._tokens[engine]:
+                self._tokens[engine] = tokens
+                self._quiet_since[engine] = None
 
     def _moved(self, engine: int, moved: list[SampleProgress]) -> None:
         """Hand on the new tokens of streaming samples (kept, so that a restart continues them)."""

@@ -326,15 +326,16 @@ class EngineWorker(ABC):
         self._streaming.abort(keys)
 
     @ray.method(concurrency_group="results")  # type: ignore[untyped-decorator]
-    def poll(self, timeout_s: float) -> tuple[PackedProgress, list[FinishedSample]]:
+    def poll(self, timeout_s: float) -> tuple[PackedProgress, list[FinishedSample], int]:
         """The new tokens of streaming samples (one report per sample: all it made since the
         last poll), then the samples that ended, since the last poll (waits up to ``timeout_s``
-        for either)."""
+        for either), then how many tokens the engine made so far (for all its samples: the
+        driver kills an engine that makes none for ``call_timeout_s`` as wedged)."""
         with self._mailbox:
             self._mailbox.wait_for(lambda: bool(self._ended or self._moved), timeout_s)
             ended, self._ended = self._ended, []
             moved, self._moved = self._moved, {}
-        return PackedProgress.pack(moved), ended
+        return PackedProgress.pack(moved), ended, self._streaming.tokens_made
 
     def _report(self, ended: list[FinishedSample]) -> None:
         with self._mailbox:

@@ -180,7 +180,9 @@ class RayWorkerGroup:
                 if not done:
                     late = sorted(pending.values())
                     overdue = (
-                        self._kill({names[n] for n in late}, wait_s)
+                        self.kill_wedged(
+                            {names[n] for n in late}, f"did not answer within call_timeout_s={wait_s} s"
+                        )
                         if timeout_s is None
                         else WorkerError(names[late[0]], f"did not answer within {wait_s} s")
                     )
@@ -200,17 +202,17 @@ class RayWorkerGroup:
             for ref in pending:  # unanswered: their results, errors included, are taken when they come
                 ref.future().add_done_callback(lambda f: f.exception())
 
-    def _kill(self, names: set[str], wait_s: float | None) -> WorkerError:
-        """Kill the workers ``names``, which did not answer within ``wait_s``; their death
-        (``WorkerError(died=True)``)."""
+    def kill_wedged(self, names: set[str], why: str) -> WorkerError:
+        """Kill the workers ``names`` as wedged (``why``: what they did not do in time); their
+        death (``WorkerError(died=True)``)."""
         wedged = [w for n, w in zip(self.names, self.workers) if n in names]
-        logger.error("workers %s did not answer within %s s; killing them as wedged", sorted(names), wait_s)
+        logger.error("workers %s %s; killing them as wedged", sorted(names), why)
         for w in wedged:
             ray.kill(w, no_restart=True)
         return WorkerError(
             ", ".join(sorted(names)),
-            f"did not answer within call_timeout_s={wait_s} s and was killed as wedged (the worker's log "
-            "may say where it hung); create a new generation object",
+            f"{why} and was killed as wedged (the worker's log may say where it hung); create a new "
+            "generation object",
             died=True,
         )
 
