@@ -7,7 +7,7 @@ import pytest
 
 import rollgen
 from rollgen.errors import ConfigError, RollgenError, WorkerError
-from tests.waiting import SAFETY_S
+from tests.waiting import rollout_outcome
 
 
 def test_tensor_parallelism_is_refused_before_any_engine_starts(hf_config: dict) -> None:
@@ -71,7 +71,7 @@ def test_an_engine_that_makes_no_token_for_call_timeout_s_is_killed_as_wedged(
     """A streamed sample on an engine stuck in a step fails once ``call_timeout_s`` (short
     here) has passed without a token, as that engine's death; not a rollout that never ends."""
     with stuck(hf_config, data_parallel_size=1, call_timeout_s=2.0) as gen:
-        error = waited(gen.submit(prompts(model_dir)))
+        error = rollout_outcome(gen.submit(prompts(model_dir)))
         assert isinstance(error, RollgenError) and "made no token for call_timeout_s=2.0" in str(error)
         assert not gen.usable
         with pytest.raises(WorkerError, match="died earlier"):
@@ -82,28 +82,8 @@ def test_the_samples_of_a_wedged_engine_run_again_on_the_others(hf_config: dict,
     """With ``engine_failures: "replace"``, the samples of the engine killed as wedged restart
     on another replica and end there."""
     with stuck(hf_config, data_parallel_size=2, engine_failures="replace", call_timeout_s=2.0) as gen:
-        results = waited(gen.submit(prompts(model_dir), greedy=True, replica=0))
+        results = rollout_outcome(gen.submit(prompts(model_dir), greedy=True, replica=0))
         assert isinstance(results, list), results
         assert all(r.token_ids and r.replica == 1 and r.restarts == 1 for r in results)
         first = gen.replicas[0]
         assert first.state != "healthy" and "made no token" in str(first.last_error)
-
-
-def waited(rollout: Any) -> list[Any] | RollgenError:
-    """The rollout's results, or the error it raised; failing (not hanging) where neither comes
-    within SAFETY_S."""
-    import threading
-
-    out: list[Any] = []
-
-    def wait() -> None:
-        try:
-            out.append(rollout.wait())
-        except RollgenError as exc:
-            out.append(exc)
-
-    thread = threading.Thread(target=wait, daemon=True)
-    thread.start()
-    thread.join(SAFETY_S)
-    assert out, "the rollout did not end"
-    return out[0]

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 import rollgen
 from rollgen.errors import RollgenError
 from rollgen.testing.config import tiny_config
-from tests.waiting import SAFETY_S, wait_until
+from tests.waiting import SAFETY_S, rollout_outcome, wait_until
 
 
 class StandInServer:
@@ -94,24 +94,6 @@ def batch(n: int) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.tensor([[5, 6, 7]] * n), "input_lengths": torch.tensor([3] * n)}
 
 
-def waited(rollout: Any) -> list[Any] | RollgenError:
-    """The rollout's results, or the error it raised: failing (not hanging) where neither
-    comes within SAFETY_S."""
-    out: list[Any] = []
-
-    def wait() -> None:
-        try:
-            out.append(rollout.wait())
-        except RollgenError as exc:
-            out.append(exc)
-
-    thread = threading.Thread(target=wait, daemon=True)
-    thread.start()
-    thread.join(SAFETY_S)
-    assert out, "the rollout did not end"
-    return out[0]
-
-
 def test_a_cancel_does_not_wait_behind_the_requests_it_ends(stand_in: StandInServer) -> None:
     """Six samples on two connections: the two sent are cancelled on the server (their cancels
     go out on connections of their own), the four not yet sent are never sent."""
@@ -119,7 +101,7 @@ def test_a_cancel_does_not_wait_behind_the_requests_it_ends(stand_in: StandInSer
         rollout = gen.submit(batch(6))
         wait_until(lambda: len(stand_in.held) == 2, "two requests held by the server")
         rollout.cancel()
-        results = waited(rollout)
+        results = rollout_outcome(rollout)
     assert isinstance(results, list), results
     assert [r.stop_reason for r in results] == ["cancelled"] * 6
     assert sorted(len(r.token_ids) for r in results) == [0, 0, 0, 0, 1, 1]
@@ -130,5 +112,5 @@ def test_a_cancel_does_not_wait_behind_the_requests_it_ends(stand_in: StandInSer
 def test_an_answer_without_rollgen_fields_fails_its_rollout(stand_in: StandInServer) -> None:
     """Not a hang: the sample ends with the error, which its rollout raises."""
     with remote(stand_in) as gen:
-        error = waited(gen.submit(batch(1)))
+        error = rollout_outcome(gen.submit(batch(1)))
     assert isinstance(error, RollgenError) and "lacks rollgen's fields" in str(error)

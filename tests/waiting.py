@@ -34,3 +34,23 @@ def asleep_until_released(gen: Any, monkeypatch: pytest.MonkeyPatch) -> threadin
     monkeypatch.setattr(gen, "wait_ready", watched)
     gen.finish_generation()
     return entered
+
+
+def rollout_outcome(rollout: Any) -> Any:
+    """``rollout.wait()``'s results, or the ``RollgenError`` it raised; fails (does not hang)
+    where neither comes within ``SAFETY_S``."""
+    from rollgen.errors import RollgenError
+
+    out: list[Any] = []
+
+    def wait() -> None:
+        try:
+            out.append(rollout.wait())
+        except RollgenError as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    thread.join(SAFETY_S)
+    assert out, f"the rollout did not end within {SAFETY_S:g} s"
+    return out[0]
