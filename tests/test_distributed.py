@@ -519,3 +519,45 @@ def test_a_refused_call_fails_its_samples_and_frees_room_for_the_rest(monkeypatc
         assert [r.running for r in dispatcher.load()] == [1, 2]
     finally:
         dispatcher.close()
+
+
+def test_an_engine_is_judged_silent_only_for_the_time_the_dispatcher_listened() -> None:
+    """An engine with samples and no token for ``call_timeout_s`` of the polling thread's
+    listening is killed as wedged; a stall of the polling thread itself (its answers wait in
+    Ray meanwhile) counts as at most ``POLL_S``, and a token heard resets the count."""
+    from rollgen.distributed.dispatch import POLL_S, SampleDispatcher
+    from rollgen.distributed.replicas import Replicas
+    from rollgen.errors import WorkerError
+    from rollgen.rollout import FinishedSample, SampleRequest
+    from rollgen.sampling import SampleParams
+
+    group = _StandInGroup()
+    group.call_timeout_s = 10.0  # type: ignore[attr-defined]
+    killed: list[set[str]] = []
+
+    def kill_wedged(names: set[str], why: str) -> WorkerError:
+        killed.append(names)
+        return WorkerError(", ".join(names), why, died=True)
+
+    group.kill_wedged = kill_wedged  # type: ignore[attr-defined]
+    replicas = Replicas(group, "stand-in", replaces=True)  # type: ignore[arg-type]
+    ended: list[FinishedSample] = []
+    dispatcher = SampleDispatcher(replicas, ended.extend, lambda e: None)
+    params = SampleParams(1.0, 1.0, -1, 10, (), (2,), 7)
+    with dispatcher._lock:  # as start() does, without its polling thread
+        dispatcher._queue.append(SampleRequest("0:0:0", (5, 6), params, replica=0))
+        dispatcher._send()
+    dispatcher._counted = 0.0
+    dispatcher._kill_wedged(1000.0)  # the polling thread was away for 1000 s
+    assert dispatcher._quiet[0] == POLL_S and not killed
+    now = 1000.0
+    for _ in range(int(9 / POLL_S)):
+        now += POLL_S
+        dispatcher._kill_wedged(now)
+    dispatcher._heard(0, 3)  # a token: the count starts again
+    assert dispatcher._quiet[0] == 0.0
+    for _ in range(int(10 / POLL_S) + 1):
+        now += POLL_S
+        dispatcher._kill_wedged(now)
+    assert killed == [{"engine 0"}]
+    assert not replicas.in_service(0) and dispatcher._quiet == [0.0, 0.0]

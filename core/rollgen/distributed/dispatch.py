@@ -63,10 +63,11 @@ class SampleDispatcher:
         self._started = [0] * len(replicas)
         self._polls: dict[Any, int] = {}
         self._calls: dict[Any, int] = {}
-        #: Each engine's count of tokens made (its polls say), and since when it has had
-        #: samples and made none (None: it has none).
+        #: Each engine's count of tokens made (its polls say), and for how long this thread has
+        #: listened while it had samples and made none; when this thread last counted.
         self._tokens = [0] * len(replicas)
-        self._quiet_since: list[float | None] = [None] * len(replicas)
+        self._quiet = [0.0] * len(replicas)
+        self._counted = time.monotonic()
         #: Samples ``start`` took and the sending thread has not yet queued (its own lock, so
         #: that a start never waits for a call to an engine).
         self._inbox: list[SampleRequest] = []
@@ -217,28 +218,26 @@ class SampleDispatcher:
                 refs = list(self._polls) + list(self._calls)
             if not refs:
                 continue
-            done, _ = ray.wait(refs, num_returns=1, timeout=WAIT_S)
+            done, rest = ray.wait(refs, num_returns=1, timeout=WAIT_S)
+            if done and rest:  # every answer that is in, before any engine is judged silent
+                done += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
             for ref in done:
                 self._answer(ref)
             self._kill_wedged(time.monotonic())
 
     def _kill_wedged(self, now: float) -> None:
-        """Kill each engine that has had samples and made no token for ``call_timeout_s`` (as of
-        ``now``): it fails as dead (its samples go elsewhere where the generation replaces)."""
+        """Kill each engine that has had samples and made no token for ``call_timeout_s`` of
+        this thread's listening (up to ``now``): it fails as dead (its samples go elsewhere
+        where the generation replaces). Time this thread spent elsewhere (waiting for the
+        core's lock, say) counts as at most ``POLL_S``: engines' answers waited meanwhile."""
         limit = self.group.call_timeout_s
         with self._lock:
+            listened, self._counted = min(now - self._counted, POLL_S), now
             for i, running in enumerate(self._load):
-                if not running:
-                    self._quiet_since[i] = None
-                elif self._quiet_since[i] is None:
-                    self._quiet_since[i] = now
-            wedged = [
-                i
-                for i, t in enumerate(self._quiet_since)
-                if limit is not None and t is not None and now - t > limit
-            ]
+                self._quiet[i] = self._quiet[i] + listened if running else 0.0
+            wedged = [i for i, quiet in enumerate(self._quiet) if limit is not None and quiet > limit]
             for i in wedged:  # its answers still to come are not read
-                self._quiet_since[i] = None
+                self._quiet[i] = 0.0
                 for refs in (self._polls, self._calls):
                     for ref in [r for r, e in refs.items() if e == i]:
                         del refs[ref]
@@ -247,8 +246,11 @@ class SampleDispatcher:
             exc = self.group.kill_wedged(
                 {name}, f"made no token for call_timeout_s={limit} s while it had samples"
             )
-            if not self.replicas.died(i, exc):
-                self._failed(i, name, exc)
+            try:
+                if not self.replicas.died(i, exc):
+                    self._failed(i, name, exc)
+            except Exception:  # noqa: BLE001 - this thread goes on: the other engines' samples still end
+                logger.exception("%s: its death as wedged could not be handled", name)
 
     def _answer(self, ref: Any) -> None:
         with self._lock:
@@ -285,7 +287,7 @@ class SampleDispatcher:
         with self._lock:
             if tokens != self._tokens[engine]:
                 self._tokens[engine] = tokens
-                self._quiet_since[engine] = None
+                self._quiet[engine] = 0.0
 
     def _moved(self, engine: int, moved: list[SampleProgress]) -> None:
         """Hand on the new tokens of streaming samples (kept, so that a restart continues them)."""
