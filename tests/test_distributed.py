@@ -297,6 +297,8 @@ class _StandInGroup:
 
     def __init__(self, capacity: int = 1) -> None:
         self.capacity = capacity
+        #: As a real group's before its engines start: no limit.
+        self.call_timeout_s: float | None = None
         self.log: list[tuple[str, int, Any]] = []
         self.names = ["engine 0", "engine 1"]
         self.workers = [
@@ -532,7 +534,7 @@ def test_an_engine_is_judged_silent_only_for_the_time_the_dispatcher_listened() 
     from rollgen.sampling import SampleParams
 
     group = _StandInGroup()
-    group.call_timeout_s = 10.0  # type: ignore[attr-defined]
+    group.call_timeout_s = 10.0
     killed: list[set[str]] = []
 
     def kill_wedged(names: set[str], why: str) -> WorkerError:
