@@ -183,10 +183,8 @@ def check_batch_limits(limits: Limits, batch: Mapping[str, Any], backend: str) -
 
 
 def check_replica(replica: Any, replicas: int) -> None:
-    """InputError unless ``replica`` (``submit``'s) is None or one of ``replicas``."""
-    if replica is not None and (
-        isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas
-    ):
+    """InputError unless ``replica`` (``submit``'s, where it names one) is one of ``replicas``."""
+    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
         raise InputError(f"submit(replica={replica!r}): a replica is an int in [0, {replicas}) or None")
 
 

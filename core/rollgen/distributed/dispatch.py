@@ -238,19 +238,28 @@ class SampleDispatcher:
             wedged = [i for i, quiet in enumerate(self._quiet) if limit is not None and quiet > limit]
             for i in wedged:  # its answers still to come are not read
                 self._quiet[i] = 0.0
-                for refs in (self._polls, self._calls):
-                    for ref in [r for r, e in refs.items() if e == i]:
-                        del refs[ref]
+                self._forget_calls(i)
         for i in wedged:
             name = self.group.names[i]
-            exc = self.group.kill_wedged(
-                {name}, f"made no token for call_timeout_s={limit} s while it had samples"
-            )
-            try:
-                if not self.replicas.died(i, exc):
-                    self._failed(i, name, exc)
-            except Exception:  # noqa: BLE001 - this thread goes on: the other engines' samples still end
-                logger.exception("%s: its death as wedged could not be handled", name)
+            why = f"made no token for call_timeout_s={limit} s while it had samples"
+            self._died(i, name, self.group.kill_wedged({name}, why))
+
+    def _forget_calls(self, engine: int) -> None:
+        """Drop the calls to ``engine`` not yet answered (under the lock): their answers are
+        not read."""
+        for refs in (self._polls, self._calls):
+            for ref in [r for r, e in refs.items() if e == engine]:
+                del refs[ref]
+
+    def _died(self, engine: int, name: str, exc: WorkerError) -> None:
+        """Engine ``engine`` died (``exc``): its samples run again on the others where the
+        generation outlives it, else they fail. A failure of that handling is logged: this
+        thread goes on, so the other engines' samples still end."""
+        try:
+            if not self.replicas.died(engine, exc):
+                self._failed(engine, name, exc)
+        except Exception:  # noqa: BLE001 - logged; the polling thread must not end
+            logger.exception("%s: its death could not be handled", name)
 
     def _answer(self, ref: Any) -> None:
         with self._lock:
@@ -271,9 +280,11 @@ class SampleDispatcher:
             else:
                 self.group.get([ref], names=[name])
         except RollgenError as exc:  # a death the generation outlives re-runs its samples elsewhere
-            if not (isinstance(exc, WorkerError) and exc.died and self.replicas.died(engine, exc)):
+            if isinstance(exc, WorkerError) and exc.died:
+                self._died(engine, name, exc)
+            else:
                 self._failed(engine, name, exc)
-                return
+            return
         except Exception as exc:  # noqa: BLE001 - an answer that cannot be read fails its engine, not this thread
             error = OutputError(f"its answer could not be read ({exc!r}); it is out of service")
             self._failed(engine, name, error)
@@ -357,9 +368,7 @@ class SampleDispatcher:
         (from their start, with the same settings and seed; one that streams its tokens from
         the last it handed on), for the other engines; calls to it are forgotten."""
         with self._lock:
-            for refs in (self._polls, self._calls):
-                for ref in [r for r, i in refs.items() if i == engine]:
-                    del refs[ref]
+            self._forget_calls(engine)
             keys = [k for k, i in self._where.items() if i == engine]
             for key in keys:
                 del self._where[key]

@@ -36,11 +36,11 @@ CANCEL_RETRY_S = 0.05
 
 
 class ServerRefused(WorkerError):
-    """The server answered with an error status (``status``; ``code``: its error's code)."""
+    """The server answered with an error status (``code``: its error's code, if it names one)."""
 
-    def __init__(self, server: str, message: str, status: int, code: str | None) -> None:
+    def __init__(self, server: str, message: str, code: str | None) -> None:
         super().__init__(server, message)
-        self.status, self.code = status, code
+        self.code = code
 
 
 class RemoteGeneration(BaseGeneration):
@@ -120,7 +120,6 @@ class RemoteGeneration(BaseGeneration):
             raise ServerRefused(
                 f"server {self.url}",
                 f"{method} {path}: {answer.status_code} {message}",
-                answer.status_code,
                 code,
             )
         try:
