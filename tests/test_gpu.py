@@ -190,18 +190,20 @@ FP8_TOKEN_MULT_PROB_ERROR = 1.5
 def test_an_fp8_engine_refits_from_a_bf16_trainer(hf_config: dict, batch: dict, quantization: str) -> None:
     """vLLM's online FP8 (``vllm_kwargs={"quantization": ...}``; vLLM 0.26 has the shorthands)
     on the tiny model, whose weight dims (128, 256, 512) are multiples of the 128 x 128 blocks,
-    fed bf16 weights by a colocated trainer: each refit goes through vLLM's layerwise reload,
-    which quantizes again (load plans do not apply). Outputs follow the new weights (within
-    FP8's bound of an fp32 reference, and closer to them than to the old ones); a second refit
-    of the same tensors (read in place) changes nothing; a NaN state dict is refused with the
-    outputs kept; refitting the first weights back gives the first outputs again (quantization
-    is deterministic)."""
+    fed bf16 weights by a colocated trainer: each refit of a layout goes through vLLM's
+    layerwise reload, which quantizes again, until its quantizing plan is verified; per tensor,
+    later refits replay it (``rollgen_vllm.quant_plan``), per block they reload every time.
+    Outputs follow the new weights (within FP8's bound of an fp32 reference, and closer to them
+    than to the old ones); refits of the same tensors (read in place: recorded, verified,
+    replayed) change nothing; a NaN state dict is refused with the outputs kept; refitting the
+    first weights back gives the first outputs again (quantization is deterministic)."""
     import vllm
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
     if quantization not in QUANTIZATION_METHODS:  # online shorthands: vLLM 0.26 has them
         pytest.skip(f"vLLM {vllm.__version__} has no online quantization {quantization!r}")
-    cfg = {**config(hf_config), "vllm_kwargs": {"quantization": quantization}}
+    probe = {"worker_extension_cls": "tests.vllm_faults.LoadWays"}
+    cfg = {**config(hf_config), "vllm_kwargs": {"quantization": quantization, **probe}}
     with rollgen.create_generation(cfg) as gen:
         assert gen.engines.info(0)["quantization"] is not None, gen.engines.info(0)
         first = gen.generate(batch, greedy=True)
@@ -213,8 +215,11 @@ def test_an_fp8_engine_refits_from_a_bf16_trainer(hf_config: dict, batch: dict, 
         old = agrees_with(load_reference_model(tiny_model_dir()), out, batch)
         assert new["token_mult_prob_error"] < FP8_TOKEN_MULT_PROB_ERROR, new
         assert new["mean_abs"] < old["mean_abs"] / 2, (new, old)
-        gen.refit(policy)  # the same tensors again: read in place, quantized to the same bytes
-        assert torch.equal(gen.generate(batch, greedy=True)["output_ids"], out["output_ids"])
+        for _ in range(3):  # the same tensors again: read in place, quantized to the same bytes
+            gen.refit(policy)
+            assert torch.equal(gen.generate(batch, greedy=True)["output_ids"], out["output_ids"])
+        ways = gen.collective_rpc("recorded_ways")[0][0]
+        assert ("replayed" in ways) == (quantization == "fp8_per_tensor"), ways
         state = {k: v.clone() for k, v in policy.state_dict().items()}
         bad = next(k for k in state if k.endswith("mlp.down_proj.weight"))
         state[bad][0, 0] = float("nan")

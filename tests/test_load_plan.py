@@ -351,10 +351,11 @@ class _QuantizedRank:
 
 def test_a_quantized_engine_reloads_and_refuses_non_finite_scales(monkeypatch: pytest.MonkeyPatch) -> None:
     """On GPU, an engine whose vLLM model config names a quantization (``vllm_kwargs``'
-    ``"quantization"``) loads refits through vLLM's layerwise reload (never a load plan, replay
-    or not), with its LoRA layers unwrapped as for the loaders; a scale the quantization made
-    non-finite is a stale RefitError naming its module. An unquantized GPU engine loads as
-    before."""
+    ``"quantization"``) loads refits through vLLM's layerwise reload, with its LoRA layers
+    unwrapped as for the loaders, and never a bf16 load plan: its quantizing plan
+    (``quant_plan``) is recorded, but this reload computes a scale from the weights it loaded
+    into a live tensor, which gets no plan; a scale the quantization made non-finite is a stale
+    RefitError naming its module. An unquantized GPU engine loads as before."""
     from rollgen.errors import RefitError
     from rollgen_vllm.extension import RollgenWorkerExtension
 
@@ -367,7 +368,8 @@ def test_a_quantized_engine_reloads_and_refuses_non_finite_scales(monkeypatch: p
     model = rank.model_runner.model
     model.proj = _Wrapped(model.proj)  # an engine started with LoRA: vLLM #39934 again
     new = [("proj.weight", torch.full((2, 2), 4.48)), ("norm.weight", torch.full((2,), 2.0))]
-    assert rank.rollgen_load(new, replay=True, kept=True) == "loaded"
+    assert rank.rollgen_load(new, replay=True, kept=True) == "recorded"
+    assert list(rank.rollgen_quant_plans.plans.values()) == [None]  # no plan for this layout
     assert rank.reloads == 1 and not hasattr(rank, "rollgen_load_plans")
     assert torch.allclose(model.proj.base_layer.weight_scale, torch.tensor([0.01]), rtol=1e-3)
     assert isinstance(model.proj, _Wrapped)

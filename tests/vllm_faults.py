@@ -4,12 +4,15 @@ once, on the last rank of the weight-sync group (the second replica's, with DP=2
 ``WedgingWorker``, rollgen's vLLM worker whose ``generate`` hangs for ever once told to;
 ``UnwatchedWorker``, rollgen's vLLM worker whose watcher of the engine's processes looks once
 an hour; ``StepRecorder`` (a probe, not a fault), rollgen's worker extension that records
-whether each step holds the refit channel's lock; and
+whether each step holds the refit channel's lock; ``LoadWays`` (a probe), one that records how
+each refit bucket was loaded; and
 ``DyingRank``, rollgen's worker extension that kills its engine's actor at a chosen point inside
 a call (``arm_death``): the real death of a replica, at a moment a kill from outside cannot
 pick."""
 
 import itertools
+import logging
+import logging.handlers
 import threading
 from typing import Any
 
@@ -108,6 +111,27 @@ class StepRecorder(RollgenWorkerExtension):
     def recorded_steps(self) -> list[bool]:
         """Whether each step so far held the lock."""
         return list(getattr(self, "steps_locked", []))
+
+
+class LoadWays(RollgenWorkerExtension):
+    """rollgen's worker extension that records how each bucket was loaded (``LoadWay``), and what
+    the load plans logged (why a layout got no plan: a probe, not a fault: real vLLM otherwise)."""
+
+    def rollgen_load(self, named: Any, replay: bool, kept: bool = False) -> Any:
+        if not hasattr(self, "probe_ways"):
+            self.probe_ways: list[str] = []
+            self.probe_logs = logging.handlers.BufferingHandler(1000)
+            plans = logging.getLogger("rollgen_vllm.load_plan")
+            plans.addHandler(self.probe_logs)
+            plans.setLevel(logging.INFO)
+        way = super().rollgen_load(named, replay, kept)
+        self.probe_ways.append(way)
+        return way
+
+    def recorded_ways(self) -> list[str]:
+        """Each load's way, then what the plans logged."""
+        logs = [r.getMessage() for r in self.probe_logs.buffer] if hasattr(self, "probe_logs") else []
+        return [*getattr(self, "probe_ways", []), *logs]
 
 
 class DyingRank(RollgenWorkerExtension):

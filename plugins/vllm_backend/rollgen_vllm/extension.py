@@ -32,6 +32,7 @@ from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, receiv
 from rollgen_vllm import logs
 from rollgen_vllm.load_plan import LoadPlans, LoadWay, bound_parameters
 from rollgen_vllm.lora_slots import LoraSlots
+from rollgen_vllm.quant_plan import QuantRecorder
 from rollgen_vllm.rpc_errors import returns_errors
 
 logger = logging.getLogger(__name__)
@@ -205,8 +206,9 @@ class RollgenWorkerExtension:
 
     def rollgen_release_staged(self, keys: list[str]) -> None:
         """Unmap the trainer's staging buffers ``keys`` (``rollgen.refit.staging``)."""
-        if hasattr(self, "rollgen_load_plans"):
-            self.rollgen_load_plans.forget_kept()
+        for plans in ("rollgen_load_plans", "rollgen_quant_plans"):
+            if hasattr(self, plans):
+                getattr(self, plans).forget_kept()
         self.rollgen_receiver.release(keys)
 
     def rollgen_device(self) -> torch.device:
@@ -237,13 +239,21 @@ class RollgenWorkerExtension:
         """Copy ``named`` into the live parameters (each rank its shard); how it was loaded.
         ``kept``: the same list comes again with the next refit's values (its plan's sources
         are kept). A quantized engine, and any engine on CPU, reloads instead
-        (``rollgen_reload``), and ``replay`` does not apply."""
+        (``rollgen_reload``); a quantized one replays its reloads (``quant_plan``) where
+        ``replay``."""
         model = self.model_runner.model
         if not hasattr(self, "rollgen_lora_layers"):  # the modules are fixed once the engine is up
             self.rollgen_lora_layers = lora_layers(model)
         way: LoadWay = "loaded"
         if self.rollgen_reloads:
-            self.rollgen_reload(named)
+            if replay and self.rollgen_quantization is not None:
+                if not hasattr(self, "rollgen_quant_plans"):
+                    self.rollgen_quant_plans = LoadPlans(bound_parameters(model, buffers=True), QuantRecorder)
+                way = self.rollgen_quant_plans.load(named, self.rollgen_reload, kept)
+                if way == "replayed":  # the reload checks its own
+                    check_scales(self.rollgen_scaled)
+            else:
+                self.rollgen_reload(named)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the sender frees the bucket once this returns
             return way

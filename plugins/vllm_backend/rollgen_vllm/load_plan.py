@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,8 +64,49 @@ class CopyRun:
     dsts: list[torch.Tensor] = field(default_factory=list)
     srcs: list[Source] = field(default_factory=list)
 
+    def sources(self, incoming: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [s.of(incoming) for s in self.srcs]
 
-Step = CopyRun | tuple[Any, tuple[Any, ...], dict[str, Any]]
+    def run(self, sources: list[torch.Tensor]) -> None:
+        torch._foreach_copy_(self.dsts, sources)
+
+    def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None:
+        """The first copy whose destination differs from its source, if any; compared on the
+        destination's device (a weight-sync group over gloo delivers host tensors to a GPU
+        engine)."""
+        for dst, src in zip(self.dsts, self.srcs):
+            if not torch.equal(dst, src.of(incoming).to(dst.device)):
+                return f"a copy from incoming tensor {src.index} into a {list(dst.shape)} slice"
+        return None
+
+
+@dataclass
+class ConstantWrite:
+    """A write that takes no incoming value (a fill, a zeroing)."""
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def sources(self, incoming: Sequence[torch.Tensor]) -> None:
+        return None
+
+    def run(self, sources: None) -> None:
+        self.func(*self.args, **self.kwargs)
+
+    def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None:
+        return None
+
+
+class Step(Protocol):
+    """One step of a plan: its views of the incoming tensors (made once for a kept list), the
+    writes it makes from them, and (after a load) the first write that differs from them."""
+
+    def sources(self, incoming: Sequence[torch.Tensor]) -> Any: ...
+
+    def run(self, sources: Any) -> None: ...
+
+    def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None: ...
 
 
 @dataclass
@@ -75,30 +116,19 @@ class Plan:
     params: tuple[int, ...]
     verified: bool = False
 
-    def sources(self, incoming: Sequence[torch.Tensor]) -> list[list[torch.Tensor] | None]:
-        """Each step's source views of ``incoming`` (None for a constant fill)."""
-        return [[s.of(incoming) for s in st.srcs] if isinstance(st, CopyRun) else None for st in self.steps]
+    def sources(self, incoming: Sequence[torch.Tensor]) -> list[Any]:
+        """Each step's views of ``incoming``."""
+        return [step.sources(incoming) for step in self.steps]
 
     @torch.no_grad()
-    def copy(self, sources: Sequence[list[torch.Tensor] | None]) -> None:
+    def copy(self, sources: Sequence[Any]) -> None:
         """Make the plan's writes from ``sources`` (``sources`` of the incoming tensors)."""
         for step, srcs in zip(self.steps, sources):
-            if isinstance(step, CopyRun):
-                torch._foreach_copy_(step.dsts, srcs)
-            else:
-                func, args, kwargs = step
-                func(*args, **kwargs)
+            step.run(srcs)
 
     def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None:
-        """The first copy whose destination differs from its source (after a load), if any;
-        compared on the destination's device (a weight-sync group over gloo delivers host
-        tensors to a GPU engine)."""
-        for step in self.steps:
-            if isinstance(step, CopyRun):
-                for dst, src in zip(step.dsts, step.srcs):
-                    if not torch.equal(dst, src.of(incoming).to(dst.device)):
-                        return f"a copy from incoming tensor {src.index} into a {list(dst.shape)} slice"
-        return None
+        """The first copy whose destination differs from its source (after a load), if any."""
+        return next((m for step in self.steps if (m := step.mismatch(incoming)) is not None), None)
 
 
 class NoPlan(Exception):
@@ -108,7 +138,7 @@ class NoPlan(Exception):
 class Recorder(TorchDispatchMode):
     """Runs the loaders and notes their writes as plan steps."""
 
-    def __init__(self, incoming: Sequence[torch.Tensor]) -> None:
+    def __init__(self, incoming: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self.incoming = incoming
         self.storages = {t.untyped_storage().data_ptr() for t in incoming if t.numel()}
@@ -128,6 +158,14 @@ class Recorder(TorchDispatchMode):
             except (RuntimeError, NotImplementedError) as e:  # e.g. a tensor without storage
                 self.reason = f"the recorder cannot follow {func}: {e}"  # the load itself goes on
         return out
+
+    def finish(self) -> list[Step]:
+        """The plan's steps, once the loaders have run; ``NoPlan`` says why there is none."""
+        if self.reason is not None:
+            raise NoPlan(self.reason)
+        if overlapping([d for s in self.steps if isinstance(s, CopyRun) for d in s.dsts]):
+            raise NoPlan("the loaders write one place twice")
+        return self.steps
 
     def is_incoming(self, t: Any) -> bool:
         return (
@@ -150,25 +188,29 @@ class Recorder(TorchDispatchMode):
         elif written:
             if func not in CONSTANT_WRITES or reads_incoming:
                 raise NoPlan(f"the loaders write with {func} (only copies of incoming tensors replay)")
-            self.steps.append((func, args, kwargs))
+            self.steps.append(ConstantWrite(func, args, kwargs))
         elif reads_incoming and not all(r.alias_info is not None for r in schema.returns):
             raise NoPlan(f"the loaders compute on incoming values with {func}")
 
     def add_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        index = next((i for i, t in enumerate(self.incoming) if holds(t, src)), None)
-        if index is None:
-            raise NoPlan("a copy's source lies outside the incoming tensors")
-        t = self.incoming[index]
-        if src.dtype != t.dtype:
-            raise NoPlan(f"the loaders view {t.dtype} incoming data as {src.dtype}")
-        offset = (src.data_ptr() - t.data_ptr()) // t.element_size()
-        source = Source(index, offset, tuple(src.shape), tuple(src.stride()))
+        source = self.source(src)
         run = self.steps[-1] if self.steps else None
         if not isinstance(run, CopyRun):
             run = CopyRun()
             self.steps.append(run)
         run.dsts.append(dst)
         run.srcs.append(source)
+
+    def source(self, view: torch.Tensor) -> Source:
+        """``view`` as a view of an incoming tensor."""
+        index = next((i for i, t in enumerate(self.incoming) if holds(t, view)), None)
+        if index is None:
+            raise NoPlan("a copy's source lies outside the incoming tensors")
+        t = self.incoming[index]
+        if view.dtype != t.dtype:
+            raise NoPlan(f"the loaders view {t.dtype} incoming data as {view.dtype}")
+        offset = (view.data_ptr() - t.data_ptr()) // t.element_size()
+        return Source(index, offset, tuple(view.shape), tuple(view.stride()))
 
 
 def holds(t: torch.Tensor, view: torch.Tensor) -> bool:
@@ -189,19 +231,27 @@ def overlapping(dsts: Iterable[torch.Tensor]) -> bool:
     return any(a[0] == b[0] and b[1] < a[2] for a, b in zip(spans, spans[1:]))
 
 
-def bound_parameters(model: torch.nn.Module) -> Callable[[], Iterator[torch.Tensor]]:
-    """``model``'s parameters as bound at each call (a tied one as often as it is bound), over
-    its modules listed once (an engine adds none after loading): a rebound parameter shows, at a
-    fraction of the cost of ``Module.parameters()``'s walk of the module tree."""
+def bound_parameters(model: torch.nn.Module, buffers: bool = False) -> Callable[[], Iterator[torch.Tensor]]:
+    """``model``'s parameters (and ``buffers``) as bound at each call (a tied one as often as it
+    is bound), over its modules listed once (an engine adds none after loading): a rebound
+    parameter shows, at a fraction of the cost of ``Module.parameters()``'s walk of the module
+    tree."""
     modules = list(model.modules())
+    if buffers:
+        return lambda: (
+            t for m in modules for d in (m._parameters, m._buffers) for t in d.values() if t is not None
+        )
     return lambda: (p for m in modules for p in m._parameters.values() if p is not None)
 
 
 class LoadPlans:
     """The plans of one model, by incoming layout (names, shapes, dtypes, strides, devices)."""
 
-    def __init__(self, params: Callable[[], Iterable[torch.Tensor]]) -> None:
+    def __init__(
+        self, params: Callable[[], Iterable[torch.Tensor]], recorder: type[Recorder] = Recorder
+    ) -> None:
         self.params = params
+        self.recorder = recorder
         self.plans: dict[tuple[Any, ...], Plan | None] = {}
         #: A kept incoming list (``load(keep=True)``: views of a staging buffer, the same list
         #: every refit), its layout, its verified plan and that plan's sources.
@@ -233,18 +283,19 @@ class LoadPlans:
         if key in self.plans and plan is None:
             loader(named)
             return "loaded"
-        before = self.fingerprint()
-        with Recorder(incoming) as recorder:
+        params = list(self.params())
+        before = tuple(p.data_ptr() for p in params)
+        plan = None
+        with self.recorder(incoming, params) as recorder:
             loader(named)
-        reason = recorder.reason
-        copies = [d for s in recorder.steps if isinstance(s, CopyRun) for d in s.dsts]
-        if reason is None and self.fingerprint() != before:
-            reason = "the loaders rebound parameters"
-        if reason is None and overlapping(copies):
-            reason = "the loaders write one place twice"
-        if reason is not None:
-            logger.info("weights of this layout load through the engine's loaders each time: %s", reason)
-        self.plans[key] = None if reason is not None else Plan(recorder.steps, before)
+        try:
+            steps = recorder.finish()
+            if self.fingerprint() != before:
+                raise NoPlan("the loaders rebound parameters")
+            plan = Plan(steps, before)
+        except NoPlan as e:
+            logger.info("weights of this layout load through the engine's loaders each time: %s", e)
+        self.plans[key] = plan
         return "recorded"
 
     def forget_kept(self) -> None:
@@ -275,6 +326,15 @@ class LoadPlans:
 
     @torch.no_grad()
     def sums(self) -> torch.Tensor:
-        """Each parameter's float64 sum."""
-        sums = [p.sum(dtype=torch.float64).reshape(1) for p in self.params()]
+        """Each parameter's checksum (``checksum``)."""
+        sums = [checksum(p) for p in self.params()]
         return torch.cat([t.to(sums[0].device) for t in sums]) if sums else torch.zeros(0)
+
+
+def checksum(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s float64 sum; an FP8 tensor's (one byte an element, which sums do not take) the
+    sum and 2-norm of its bytes."""
+    if t.is_floating_point() and t.element_size() == 1:
+        b = t.view(torch.uint8).float()
+        return torch.stack([b.sum(dtype=torch.float64), torch.linalg.vector_norm(b, dtype=torch.float64)])
+    return t.sum(dtype=torch.float64).reshape(1)
