@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils._pytree import tree_leaves
@@ -132,10 +132,8 @@ class Quantize:
     weight, its scale into ``scale``, and copy the scale where the reload did."""
 
     def __init__(self, q: Quantized, scratch: torch.Tensor, scale: torch.Tensor) -> None:
-        if q.weight is None:
-            raise NoPlan("the reload quantized a layer whose values reached no parameter")
         self.kernel, self.scale, self.scales = q.kernel, scale, q.scales
-        self.out = q.weight.as_strided(*q.values)
+        self.out = cast(torch.Tensor, q.weight).as_strided(*q.values)
         copies = q.built.copies
         one = copies[0][0] if len(copies) == 1 and not q.built.fills else None
         self.direct = one is not None and (one.size, one.stride) == q.input[:2]
@@ -153,13 +151,15 @@ class Quantize:
             torch._foreach_copy_(self.scales, [self.scale.reshape(()).expand(t.shape) for t in self.scales])
 
     def quantize(self, sources: list[torch.Tensor], out: torch.Tensor, scale: torch.Tensor) -> None:
-        """The layer's FP8 values into ``out``, its scale into ``scale``."""
-        if not self.direct:
+        """The layer's FP8 values into ``out``, its scale into ``scale``; a layer that is one
+        incoming tensor on the layer's device is read where it lies."""
+        direct = self.direct and sources[0].device == out.device  # not a host tensor (gloo)
+        if not direct:
             for fill in self.fills:
                 fill.run(None)
             torch._foreach_copy_(self.dsts, sources)
         scale.zero_()  # the kernel takes the max into it
-        self.kernel(out, sources[0] if self.direct else self.input, scale)
+        self.kernel(out, sources[0] if direct else self.input, scale)
 
     def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None:
         """Whether the layer's weight and scales differ from what this step makes of
@@ -325,12 +325,13 @@ class QuantRecorder(Recorder):
             raise NoPlan("the loaders write one place twice")
         if not self.order:
             return steps
-        gathered = [q.built for q in self.order if len(q.built.copies) + len(q.built.fills) > 1]
-        if len({b.dtype for b in gathered}) > 1:
+        if len({q.built.dtype for q in self.order}) > 1:
             raise NoPlan("the reload builds quantized layers in more than one dtype")
-        device = next(q.weight.device for q in self.order if q.weight is not None)
-        dtype = gathered[0].dtype if gathered else torch.bfloat16
-        scratch = torch.empty(max((b.numel for b in gathered), default=0), dtype=dtype, device=device)
+        if any(q.weight is None for q in self.order):
+            raise NoPlan("the reload quantized a layer whose values reached no parameter")
+        device = cast(torch.Tensor, self.order[0].weight).device
+        largest = max(q.built.numel for q in self.order)  # a host tensor read directly is gathered
+        scratch = torch.empty(largest, dtype=self.order[0].built.dtype, device=device)
         scales = torch.zeros(len(self.order), dtype=torch.float32, device=device)
         return steps + [Quantize(q, scratch, scales[i : i + 1]) for i, q in enumerate(self.order)]
 
