@@ -3,8 +3,9 @@ throughput, the refit time of the trainer's full bf16 state dict, and the gap be
 engine's logprobs and the trainer's bf16 forward of the same weights.
 
 The quantizations are vLLM's online ones (``vllm_kwargs={"quantization": ...}``: the engine
-quantizes the bf16 weights as it loads them, and again at every refit through vLLM's layerwise
-reload; docs/vllm.md, FP8); ``none`` is the bf16 engine (refits by replayed load plans), and
+quantizes the bf16 weights as it loads them, and again at every refit, through vLLM's layerwise
+reload or, per tensor, its replay, ``rollgen_vllm.quant_plan``; docs/vllm.md, FP8); ``none`` is
+the bf16 engine (refits by replayed load plans), and
 ``--kv-fp8`` adds each with an FP8 KV cache. Per quantization, one engine (CUDA graphs, dummy
 weights, ``--util`` of the GPU), shut down before the next starts:
 

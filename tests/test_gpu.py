@@ -191,8 +191,9 @@ def test_an_fp8_engine_refits_from_a_bf16_trainer(hf_config: dict, batch: dict, 
     """vLLM's online FP8 (``vllm_kwargs={"quantization": ...}``; vLLM 0.26 has the shorthands)
     on the tiny model, whose weight dims (128, 256, 512) are multiples of the 128 x 128 blocks,
     fed bf16 weights by a colocated trainer: each refit of a layout goes through vLLM's
-    layerwise reload, which quantizes again, until its quantizing plan is verified; per tensor,
-    later refits replay it (``rollgen_vllm.quant_plan``), per block they reload every time.
+    layerwise reload, which quantizes again; per tensor, the first is recorded and the second
+    verified, and later refits replay it (``rollgen_vllm.quant_plan``); per block, every refit
+    reloads.
     Outputs follow the new weights (within FP8's bound of an fp32 reference, and closer to them
     than to the old ones); refits of the same tensors (read in place: recorded, verified,
     replayed) change nothing; a NaN state dict is refused with the outputs kept; refitting the
@@ -215,7 +216,9 @@ def test_an_fp8_engine_refits_from_a_bf16_trainer(hf_config: dict, batch: dict, 
         old = agrees_with(load_reference_model(tiny_model_dir()), out, batch)
         assert new["token_mult_prob_error"] < FP8_TOKEN_MULT_PROB_ERROR, new
         assert new["mean_abs"] < old["mean_abs"] / 2, (new, old)
-        for _ in range(3):  # the same tensors again: read in place, quantized to the same bytes
+        # the same tensors again: read in place, quantized to the same bytes (per tensor:
+        # recorded, verified, replayed; per block reloaded, as on 2026-12-06, once)
+        for _ in range(3 if quantization == "fp8_per_tensor" else 1):
             gen.refit(policy)
             assert torch.equal(gen.generate(batch, greedy=True)["output_ids"], out["output_ids"])
         ways = gen.collective_rpc("recorded_ways")[0][0]

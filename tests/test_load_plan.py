@@ -352,10 +352,11 @@ class _QuantizedRank:
 def test_a_quantized_engine_reloads_and_refuses_non_finite_scales(monkeypatch: pytest.MonkeyPatch) -> None:
     """On GPU, an engine whose vLLM model config names a quantization (``vllm_kwargs``'
     ``"quantization"``) loads refits through vLLM's layerwise reload, with its LoRA layers
-    unwrapped as for the loaders, and never a bf16 load plan: its quantizing plan
+    unwrapped as for the loaders, and never a bf16 load plan: per tensor, its quantizing plan
     (``quant_plan``) is recorded, but this reload computes a scale from the weights it loaded
-    into a live tensor, which gets no plan; a scale the quantization made non-finite is a stale
-    RefitError naming its module. An unquantized GPU engine loads as before."""
+    into a live tensor, which gets no plan; per block, nothing is recorded; a scale the
+    quantization made non-finite is a stale RefitError naming its module. An unquantized GPU
+    engine loads as before."""
     from rollgen.errors import RefitError
     from rollgen_vllm.extension import RollgenWorkerExtension
 
@@ -377,3 +378,6 @@ def test_a_quantized_engine_reloads_and_refuses_non_finite_scales(monkeypatch: p
     with pytest.raises(RefitError, match="non-finite scale") as bad:
         rank.rollgen_load(huge, replay=True)
     assert bad.value.problems == ["proj.base_layer.weight_scale"] and bad.value.stale
+    per_block = rank_cls("fp8_per_block")  # reloaded every time, never recorded
+    assert per_block.rollgen_load(new, replay=True) == "loaded" == per_block.rollgen_load(new, replay=True)
+    assert per_block.reloads == 2 and not hasattr(per_block, "rollgen_quant_plans")

@@ -239,14 +239,14 @@ class RollgenWorkerExtension:
         """Copy ``named`` into the live parameters (each rank its shard); how it was loaded.
         ``kept``: the same list comes again with the next refit's values (its plan's sources
         are kept). A quantized engine, and any engine on CPU, reloads instead
-        (``rollgen_reload``); a quantized one replays its reloads (``quant_plan``) where
-        ``replay``."""
+        (``rollgen_reload``); one quantized as ``REPLAYED_QUANTIZATIONS`` replays its reloads
+        (``quant_plan``) where ``replay``."""
         model = self.model_runner.model
         if not hasattr(self, "rollgen_lora_layers"):  # the modules are fixed once the engine is up
             self.rollgen_lora_layers = lora_layers(model)
         way: LoadWay = "loaded"
         if self.rollgen_reloads:
-            if replay and self.rollgen_quantization is not None:
+            if replay and self.rollgen_quantization in REPLAYED_QUANTIZATIONS:
                 if not hasattr(self, "rollgen_quant_plans"):
                     self.rollgen_quant_plans = LoadPlans(bound_parameters(model, buffers=True), QuantRecorder)
                 way = self.rollgen_quant_plans.load(named, self.rollgen_reload, kept)
@@ -301,6 +301,11 @@ class RollgenWorkerExtension:
                 if version not in kept:
                     self.rollgen_write_adapter(version, named, setup)
 
+
+#: The quantizations whose reloads are recorded and replayed (``quant_plan``): vLLM's online FP8
+#: per tensor. Others reload every time: per block, the reload finds its scales with torch
+#: operations, which a recording does not follow.
+REPLAYED_QUANTIZATIONS = ("fp8_per_tensor",)
 
 #: A vLLM model runner's methods that run a step (``sample_tokens``: vLLM 0.26 on, after
 #: ``execute_model``).
