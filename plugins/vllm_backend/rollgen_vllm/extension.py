@@ -32,7 +32,7 @@ from rollgen.refit.transports.collective import SyncGroup, SyncGroupSpec, receiv
 from rollgen_vllm import logs
 from rollgen_vllm.load_plan import LoadPlans, LoadWay, bound_parameters
 from rollgen_vllm.lora_slots import LoraSlots
-from rollgen_vllm.quant_plan import QuantRecorder
+from rollgen_vllm.quant_plan import QuantRecorder, Scratch
 from rollgen_vllm.rpc_errors import returns_errors
 
 logger = logging.getLogger(__name__)
@@ -248,7 +248,8 @@ class RollgenWorkerExtension:
         if self.rollgen_reloads:
             if replay and self.rollgen_quantization in REPLAYED_QUANTIZATIONS:
                 if not hasattr(self, "rollgen_quant_plans"):
-                    self.rollgen_quant_plans = LoadPlans(bound_parameters(model, buffers=True), QuantRecorder)
+                    recorder = functools.partial(QuantRecorder, scratch=Scratch())
+                    self.rollgen_quant_plans = LoadPlans(bound_parameters(model, buffers=True), recorder)
                 way = self.rollgen_quant_plans.load(named, self.rollgen_reload, kept)
                 if way == "replayed":  # the reload checks its own
                     check_scales(self.rollgen_scaled)

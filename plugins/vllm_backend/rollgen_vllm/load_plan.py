@@ -15,9 +15,11 @@ every time. A replay first checks that the module's parameters are the ones reco
 
 A plan is trusted only once verified on new values: the second load of a layout replays the plan
 and then runs the loaders as well, and keeps the plan only if every copy's destination equals its
-source and the loaders changed no parameter (per-parameter float64 sums) after the replay. A write
-the recorder cannot see (one made outside torch's dispatcher) or a wrong mapping drops the plan,
-with a warning; the loaders' result stands either way.
+source and the loaders changed no parameter (``checksum``: per-parameter float64 sums) after the
+replay. A write the recorder cannot see (one made outside torch's dispatcher) or a wrong mapping
+drops the plan, with a warning; the loaders' result stands either way. A verifying load whose
+values equal those already loaded cannot show a write the plan misses (the loaders rewrite what
+is there): a trainer's refits carry new values, and a refit of unchanged tensors proves nothing.
 """
 
 from __future__ import annotations
@@ -72,10 +74,10 @@ class CopyRun:
 
     def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None:
         """The first copy whose destination differs from its source, if any; compared on the
-        destination's device (a weight-sync group over gloo delivers host tensors to a GPU
-        engine)."""
+        destination's device and in its dtype, as the copy casts (a weight-sync group over gloo
+        delivers host tensors to a GPU engine)."""
         for dst, src in zip(self.dsts, self.srcs):
-            if not torch.equal(dst, src.of(incoming).to(dst.device)):
+            if not torch.equal(dst, src.of(incoming).to(dst)):
                 return f"a copy from incoming tensor {src.index} into a {list(dst.shape)} slice"
         return None
 
@@ -135,13 +137,35 @@ class NoPlan(Exception):
     """What the loaders did that a plan cannot replay (internal: ends a recording)."""
 
 
+def storage(t: torch.Tensor) -> int:
+    """Where ``t``'s storage starts: what tells tensors apart while a recorder watches."""
+    return t.untyped_storage().data_ptr()
+
+
+def tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors in ``tree`` (an op's arguments or results)."""
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors op ``func`` writes into (its schema's mutable arguments)."""
+    schema = func._schema
+    values = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)]
+    return [
+        v
+        for a, v in zip(schema.arguments, values)
+        if isinstance(v, torch.Tensor) and a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
 class Recorder(TorchDispatchMode):
-    """Runs the loaders and notes their writes as plan steps."""
+    """Runs the loaders and notes their writes as plan steps. ``params``: the engine's tensors
+    when the recording starts (a subclass's to read; this one needs only the incoming ones)."""
 
     def __init__(self, incoming: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self.incoming = incoming
-        self.storages = {t.untyped_storage().data_ptr() for t in incoming if t.numel()}
+        self.storages = {storage(t) for t in incoming if t.numel()}
         self.steps: list[Step] = []
         self.reason: str | None = None
 
@@ -149,15 +173,22 @@ class Recorder(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        before = [storage(t) for t in tensors((args, kwargs)) if not t.is_meta] if self.reason is None else []
         out = func(*args, **kwargs)
         if self.reason is None:
             try:
-                self.note(func, args, kwargs)
+                self.observe(func, args, kwargs, out, set(before))
             except NoPlan as e:
                 self.reason = str(e)
-            except (RuntimeError, NotImplementedError) as e:  # e.g. a tensor without storage
-                self.reason = f"the recorder cannot follow {func}: {e}"  # the load itself goes on
+            except Exception as e:  # noqa: BLE001 - whatever it is, the load itself goes on, unplanned
+                self.reason = f"the recorder cannot follow {func}: {type(e).__name__}: {e}"
         return out
+
+    def observe(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, inputs: set[int]
+    ) -> None:
+        """Note one op the loaders ran (``inputs``: the storages of its arguments)."""
+        self.note(func, args, kwargs)
 
     def finish(self) -> list[Step]:
         """The plan's steps, once the loaders have run; ``NoPlan`` says why there is none."""
@@ -168,28 +199,20 @@ class Recorder(TorchDispatchMode):
         return self.steps
 
     def is_incoming(self, t: Any) -> bool:
-        return (
-            isinstance(t, torch.Tensor) and t.numel() > 0 and t.untyped_storage().data_ptr() in self.storages
-        )
+        return isinstance(t, torch.Tensor) and t.numel() > 0 and storage(t) in self.storages
 
     def note(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        schema = func._schema
-        values = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)]
-        written = [
-            v
-            for a, v in zip(schema.arguments, values)
-            if v is not None and a.alias_info is not None and a.alias_info.is_write
-        ]
+        writes = written(func, args, kwargs)
         reads_incoming = any(self.is_incoming(t) for t in tree_leaves((args, kwargs)))
         if func is aten.copy_.default and not args[0].numel():
             return
         if func is aten.copy_.default and self.is_incoming(args[1]) and not self.is_incoming(args[0]):
             self.add_copy(args[0], args[1])
-        elif written:
+        elif writes:
             if func not in CONSTANT_WRITES or reads_incoming:
                 raise NoPlan(f"the loaders write with {func} (only copies of incoming tensors replay)")
             self.steps.append(ConstantWrite(func, args, kwargs))
-        elif reads_incoming and not all(r.alias_info is not None for r in schema.returns):
+        elif reads_incoming and not all(r.alias_info is not None for r in func._schema.returns):
             raise NoPlan(f"the loaders compute on incoming values with {func}")
 
     def add_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -216,7 +239,7 @@ class Recorder(TorchDispatchMode):
 def holds(t: torch.Tensor, view: torch.Tensor) -> bool:
     """Whether ``view`` starts inside ``t``'s bytes."""
     start = t.data_ptr()
-    same = t.numel() > 0 and t.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+    same = t.numel() > 0 and storage(t) == storage(view)
     return same and start <= view.data_ptr() < start + t.numel() * t.element_size()
 
 
@@ -248,7 +271,9 @@ class LoadPlans:
     """The plans of one model, by incoming layout (names, shapes, dtypes, strides, devices)."""
 
     def __init__(
-        self, params: Callable[[], Iterable[torch.Tensor]], recorder: type[Recorder] = Recorder
+        self,
+        params: Callable[[], Iterable[torch.Tensor]],
+        recorder: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], Recorder] = Recorder,
     ) -> None:
         self.params = params
         self.recorder = recorder
@@ -293,7 +318,7 @@ class LoadPlans:
             if self.fingerprint() != before:
                 raise NoPlan("the loaders rebound parameters")
             plan = Plan(steps, before)
-        except NoPlan as e:
+        except (NoPlan, RuntimeError) as e:  # RuntimeError: e.g. out of memory for a plan's buffers
             logger.info("weights of this layout load through the engine's loaders each time: %s", e)
         self.plans[key] = plan
         return "recorded"
@@ -314,7 +339,10 @@ class LoadPlans:
         changed nothing and every copy landed where they put it."""
         replayed = self.sums()
         loader(named)
-        problem = plan.mismatch(incoming)
+        try:
+            problem = plan.mismatch(incoming)
+        except RuntimeError as e:  # e.g. out of memory for a comparison's copy
+            problem = f"the comparison could not run: {e}"
         if problem is None and not torch.equal(replayed, self.sums()):
             problem = "the loaders changed parameters after the replay (a write the recorder did not see)"
         if problem is not None:
