@@ -145,8 +145,23 @@ def mirror(buffers: Sequence[torch.Tensor], nbytes: int) -> None:
 def unflatten(
     buf: torch.Tensor, metas: tuple[TensorMeta, ...], offsets: tuple[int, ...]
 ) -> list[torch.Tensor]:
-    """Views of ``buf`` with the shapes and dtypes of ``metas`` (no copy)."""
+    """Views of ``buf`` with the shapes and dtypes of ``metas`` (no copy): one strided view each
+    of ``buf`` seen in its dtype (each offset is a multiple of ``FLAT_ALIGN``)."""
+    typed: dict[str, torch.Tensor] = {}
     out = []
     for m, start in zip(metas, offsets):
-        out.append(buf[start : start + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape))
+        as_dtype = typed.get(m.dtype)
+        if as_dtype is None:
+            as_dtype = typed[m.dtype] = buf[: len(buf) - len(buf) % FLAT_ALIGN].view(getattr(torch, m.dtype))
+        offset = as_dtype.storage_offset() + start // as_dtype.element_size()
+        out.append(as_dtype.as_strided(m.shape, contiguous_strides(m.shape), offset))
     return out
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``, in elements."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
