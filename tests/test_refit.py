@@ -81,6 +81,10 @@ def test_flat_buffer_round_trips_any_dtypes_and_shapes(
     buf = flatten(tensors, metas, offsets, torch.device("cpu"))
     back = unflatten(buf, metas, offsets)
     assert all(b.dtype == t.dtype and torch.equal(b, t) for b, t in zip(back, tensors))
+    inside = torch.zeros(len(buf) + 2 * FLAT_ALIGN, dtype=torch.uint8)[FLAT_ALIGN:-FLAT_ALIGN]
+    inside.copy_(buf)  # a buffer that is a slice of a larger one
+    back = unflatten(inside, metas, offsets)
+    assert all(b.is_contiguous() and torch.equal(b, t) for b, t in zip(back, tensors))
 
 
 def test_tied_weights_are_sent_once() -> None:
