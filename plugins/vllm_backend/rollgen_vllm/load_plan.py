@@ -72,6 +72,9 @@ class CopyRun:
     def run(self, sources: list[torch.Tensor]) -> None:
         torch._foreach_copy_(self.dsts, sources)
 
+    def writes(self) -> list[torch.Tensor]:
+        return self.dsts
+
     def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None:
         """The first copy whose destination differs from its source, if any; compared on the
         destination's device and in its dtype, as the copy casts (a weight-sync group over gloo
@@ -96,17 +99,23 @@ class ConstantWrite:
     def run(self, sources: None) -> None:
         self.func(*self.args, **self.kwargs)
 
+    def writes(self) -> list[torch.Tensor]:
+        return []  # a fill may precede a copy into the same place
+
     def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None:
         return None
 
 
 class Step(Protocol):
     """One step of a plan: its views of the incoming tensors (made once for a kept list), the
-    writes it makes from them, and (after a load) the first write that differs from them."""
+    writes it makes from them and where, and (after a load) the first write that differs from
+    them."""
 
     def sources(self, incoming: Sequence[torch.Tensor]) -> Any: ...
 
     def run(self, sources: Any) -> None: ...
+
+    def writes(self) -> list[torch.Tensor]: ...
 
     def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None: ...
 
@@ -173,29 +182,31 @@ class Recorder(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        before = [storage(t) for t in tensors((args, kwargs)) if not t.is_meta] if self.reason is None else []
         out = func(*args, **kwargs)
         if self.reason is None:
             try:
-                self.observe(func, args, kwargs, out, set(before))
+                self.observe(func, args, kwargs, out)
             except NoPlan as e:
                 self.reason = str(e)
             except Exception as e:  # noqa: BLE001 - whatever it is, the load itself goes on, unplanned
                 self.reason = f"the recorder cannot follow {func}: {type(e).__name__}: {e}"
         return out
 
-    def observe(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, inputs: set[int]
-    ) -> None:
-        """Note one op the loaders ran (``inputs``: the storages of its arguments)."""
+    def observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Note one op the loaders ran (``out``: what it returned)."""
         self.note(func, args, kwargs)
 
     def finish(self) -> list[Step]:
         """The plan's steps, once the loaders have run; ``NoPlan`` says why there is none."""
         if self.reason is not None:
             raise NoPlan(self.reason)
-        if overlapping([d for s in self.steps if isinstance(s, CopyRun) for d in s.dsts]):
+        steps = self.plan_steps()
+        if overlapping([t for step in steps for t in step.writes()]):
             raise NoPlan("the loaders write one place twice")
+        return steps
+
+    def plan_steps(self) -> list[Step]:
+        """The steps noted."""
         return self.steps
 
     def is_incoming(self, t: Any) -> bool:

@@ -34,6 +34,7 @@ from typing import Any, cast
 
 import torch
 
+from rollgen.refit.meta import contiguous_strides
 from rollgen_vllm.load_plan import (
     CONSTANT_WRITES,
     ConstantWrite,
@@ -42,7 +43,6 @@ from rollgen_vllm.load_plan import (
     Recorder,
     Source,
     Step,
-    overlapping,
     storage,
     tensors,
     written,
@@ -68,7 +68,7 @@ def count(g: Geometry) -> int:
 
 def dense(g: Geometry) -> bool:
     """Whether a view of geometry ``g`` is one contiguous run of elements."""
-    return g[1] == torch.empty(g[0], device="meta").stride()
+    return g[1] == contiguous_strides(g[0])
 
 
 def whole(t: torch.Tensor) -> bool:
@@ -147,9 +147,6 @@ class Scratch:
         if held is None or held.numel() < size:
             self.held[dtype] = torch.empty(size, dtype=dtype, device=device)
 
-    def view(self, dtype: torch.dtype, at: Geometry) -> torch.Tensor:
-        return self.held[dtype].as_strided(*at)
-
 
 def broadcast(scale: torch.Tensor, into: list[torch.Tensor]) -> None:
     """Copy the one-element ``scale`` into each tensor of ``into``, whatever its shape."""
@@ -169,6 +166,11 @@ class Quantize:
         one = q.built.copies[0][0] if len(q.built.copies) == 1 and not q.built.fills else None
         self.direct = one is not None and (one.size, one.stride) == q.input[:2]
         self.srcs = [s for s, _ in q.built.copies]
+        #: The scratch tensor the views below are of (made again where it grew), the fills, the
+        #: copies' destinations and the kernel's input in it.
+        self.gathered: tuple[torch.Tensor, list[ConstantWrite], list[torch.Tensor], torch.Tensor] | None = (
+            None
+        )
 
     def sources(self, incoming: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return [s.of(incoming) for s in self.srcs]
@@ -187,13 +189,24 @@ class Quantize:
             and source is not None
             and (source.device, source.dtype) == (out.device, self.built.dtype)
         ):
-            for fill in self.built.fills:
-                fill.into(self.scratch.held[self.built.dtype]).run(None)
-            dsts = [self.scratch.view(self.built.dtype, g) for _, g in self.built.copies]
+            _, fills, dsts, source = self.views()
+            for fill in fills:
+                fill.run(None)
             torch._foreach_copy_(dsts, sources)
-            source = self.scratch.view(self.built.dtype, self.input)
         scale.zero_()  # vLLM's caller passes an empty scale: zeroed, in case a build takes a max
         self.kernel(out, source, scale)
+
+    def views(self) -> tuple[torch.Tensor, list[ConstantWrite], list[torch.Tensor], torch.Tensor]:
+        """The gathering's views of the scratch tensor as it is now (made once for each)."""
+        buf = self.scratch.held[self.built.dtype]
+        if self.gathered is None or self.gathered[0] is not buf:
+            fills = [f.into(buf) for f in self.built.fills]
+            dsts = [buf.as_strided(*g) for _, g in self.built.copies]
+            self.gathered = (buf, fills, dsts, buf.as_strided(*self.input))
+        return self.gathered
+
+    def writes(self) -> list[torch.Tensor]:
+        return [self.out, *self.scales]
 
     def mismatch(self, incoming: Sequence[torch.Tensor]) -> str | None:
         """Whether the layer's weight and scales differ from what this step makes of
@@ -227,9 +240,8 @@ class QuantRecorder(Recorder):
         self.order: list[Quantized] = []
         self.copied: list[tuple[Built, torch.Tensor]] = []  # built tensors copied whole into live ones
 
-    def observe(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, inputs: set[int]
-    ) -> None:
+    def observe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        inputs = {storage(t) for t in tensors((args, kwargs)) if not t.is_meta}
         for t in tensors(out):  # storage the op allocated: what was there is gone
             if not t.is_meta and storage(t) not in inputs:
                 self.forget(storage(t))
@@ -328,10 +340,10 @@ class QuantRecorder(Recorder):
             if self.role(t) is None:  # computed from them (a view of a tracked tensor keeps its role)
                 self.tainted.add(storage(t))
 
-    def finish(self) -> list[Step]:
+    def plan_steps(self) -> list[Step]:
         """Copies into live tensors (straight ones, then built tensors copied whole), then one
         ``Quantize`` per quantized layer, in the reload's order."""
-        steps: list[Step] = list(super().finish())
+        steps: list[Step] = list(self.steps)
         for built, target in self.copied:
             if not built.covered():
                 raise NoPlan("the reload copies a layer the loaders did not write whole into a parameter")
@@ -340,10 +352,6 @@ class QuantRecorder(Recorder):
             return steps
         if any(q.weight is None or not q.scales for q in self.order):
             raise NoPlan("the reload quantized a layer whose values or scale reached no parameter")
-        live = [d for s in steps if isinstance(s, CopyRun) for d in s.dsts]
-        live += [cast(torch.Tensor, q.weight) for q in self.order] + [t for q in self.order for t in q.scales]
-        if overlapping(live):
-            raise NoPlan("the reload writes one place twice")
         device = cast(torch.Tensor, self.order[0].weight).device
         for q in self.order:
             self.scratch.reserve(q.built.size, q.built.dtype, device)
