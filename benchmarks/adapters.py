@@ -37,6 +37,8 @@ COLUMNS = [
     "raw_add_lora_ms",
     "pack_ms",
     "link_ms",
+    "keep_ms",
+    "send_ms",
     "rank_load_adapter_ms",
     "rank_write_ms",
     "full_mb",
@@ -96,20 +98,30 @@ def raw_add_lora_ms(model: str, dtype: str, lora: dict[str, Any], folders: list[
 
 
 #: The driver's stages of an adapter refit timed by ``driver_stages``.
-DRIVER_STAGES = ("pack_s", "link_s")
+DRIVER_STAGES = ("pack_s", "link_s", "keep_s", "send_s")
 
 
 @contextmanager
 def driver_stages(times: dict[str, float]) -> Iterator[None]:
-    """Time, within an adapter refit in this process, rollgen's packing of the adapter into its
-    bucket (``pack_s``: a copy and the finite check) and the Ray link's delivery of it to the
-    engines (``link_s``, ``RayLink.apply_adapter``: the kept copy, the ranks' refit channels
-    where they connect, else the Ray call and the engine's RPC, the ranks' load), each
-    synchronised: the two functions are wrapped for the benchmark only."""
-    import rollgen.refit.updates as updates
+    """Time, within an adapter refit in this process, each synchronised: rollgen's packing of
+    the adapter into its bucket (``pack_s``: the link's ``pack_adapter``, a copy and the finite
+    check) and the link's delivery of it to the engines (``link_s``, ``apply_adapter``), and of
+    that the copy kept for a replacement (``keep_s``, ``WeightBucket.copied``) and the ranks'
+    refit channels' round trip, their load included (``send_s``, ``EngineChannels.call``). The
+    functions are wrapped for the benchmark only."""
     from rollgen.distributed.refit_link import RayLink
+    from rollgen.refit.bucket import WeightBucket
+    from rollgen.refit.channel import EngineChannels
+    from rollgen.refit.link import InProcessLink
 
-    originals = (updates.pack_bucket, RayLink.apply_adapter)
+    wraps = [
+        (InProcessLink, "pack_adapter", "pack_s"),
+        (RayLink, "pack_adapter", "pack_s"),
+        (RayLink, "apply_adapter", "link_s"),
+        (WeightBucket, "copied", "keep_s"),
+        (EngineChannels, "call", "send_s"),
+    ]
+    originals = [getattr(owner, attr) for owner, attr, _ in wraps]
 
     def wrapped(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -118,12 +130,13 @@ def driver_stages(times: dict[str, float]) -> Iterator[None]:
 
         return call
 
-    updates.pack_bucket = wrapped("pack_s", updates.pack_bucket)  # type: ignore[assignment]
-    RayLink.apply_adapter = wrapped("link_s", RayLink.apply_adapter)  # type: ignore[method-assign]
+    for owner, attr, name in wraps:
+        setattr(owner, attr, wrapped(name, getattr(owner, attr)))
     try:
         yield
     finally:
-        updates.pack_bucket, RayLink.apply_adapter = originals  # type: ignore[method-assign]
+        for (owner, attr, _), original in zip(wraps, originals):
+            setattr(owner, attr, original)
 
 
 def measure(args: argparse.Namespace, rank: int, model: str) -> dict[str, Any]:

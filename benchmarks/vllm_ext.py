@@ -51,10 +51,12 @@ class BenchWorkerExtension(RollgenWorkerExtension):
         when (``time.time()``) the call entered and left the worker extension."""
         return dict(self.bench_load)
 
-    def rollgen_take_adapter(self, version: int, data: bytes, setup: dict[str, Any]) -> None:
+    def rollgen_take_adapter(
+        self, version: int, data: bytes, setup: dict[str, Any], layout: str = ""
+    ) -> None:
         self.bench_adapter: dict[str, float] = {}
         start = time.perf_counter()
-        super().rollgen_take_adapter(version, data, setup)
+        super().rollgen_take_adapter(version, data, setup, layout)
         _synchronize()
         self.bench_adapter["load_adapter_s"] = time.perf_counter() - start
 

@@ -10,9 +10,10 @@ import torch
 import rollgen
 from rollgen.output import generated_mask
 from rollgen.refit import GPU_BUCKET_BYTES, default_bucket_bytes
+from rollgen.refit.adapters import AdapterSpec
 from rollgen.testing import load_reference_model, teacher_forced_logprobs
 from rollgen.testing.prompts import PROMPTS, encode
-from rollgen.testing.reference import agreement, perturbed_model
+from rollgen.testing.reference import agreement, perturbed_model, random_adapter
 from rollgen.testing.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
@@ -148,6 +149,37 @@ def test_refits_of_the_same_tensors_read_them_in_place(hf_config: dict, batch: d
         assert torch.cuda.memory_allocated() - in_place >= staged, "no staging buffer again"
         again = gen.generate(batch, greedy=True)
         assert torch.equal(again["output_ids"], out["output_ids"])
+
+
+@pytest.mark.gpu
+def test_adapter_refits_reuse_their_staging_buffer_until_released(hf_config: dict, batch: dict) -> None:
+    """Adapter refits from a trainer's GPU tensors pack into a staging buffer of their own,
+    which the engines (DP=2 on one GPU) map once: adapters A, B, A each serve their own outputs
+    (a kept mapping reads the bytes of the current refit), later refits allocate nothing here
+    beyond the copies kept of the versions held, and release_refit_buffers frees the buffer."""
+    lora = {"rank": 8, "max_versions": 2}
+    cfg = {**config(hf_config, data_parallel_size=2, gpus_per_bundle=0.25), "lora": lora}
+    with rollgen.create_generation(cfg) as gen:
+        spec = AdapterSpec.of(lora, gen.weight_spec)
+        a, b = ({k: v.cuda() for k, v in random_adapter(spec, seed=s).items()} for s in (1, 2))
+        nbytes = sum(t.numel() * t.element_size() for t in a.values())
+        outs = []
+        for adapter in (a, b, a):
+            gen.refit(adapter, target="adapter")
+            outs.append(gen.generate(batch, greedy=True))
+        assert torch.equal(outs[0]["output_ids"], outs[2]["output_ids"])
+        assert torch.equal(outs[0]["logprobs"], outs[2]["logprobs"])
+        assert not torch.equal(outs[0]["logprobs"], outs[1]["logprobs"])
+        held = torch.cuda.memory_allocated()  # the buffer, and a copy of each of the 2 versions held
+        for adapter in (b, a, b):
+            gen.refit(adapter, target="adapter")
+        assert torch.cuda.memory_allocated() == held, "adapter refits after the first allocated more"
+        assert torch.equal(gen.generate(batch, greedy=True)["logprobs"], outs[1]["logprobs"])
+        gen.release_refit_buffers()
+        freed = held - torch.cuda.memory_allocated()
+        assert freed >= nbytes, f"releasing the adapter's staging buffer freed {freed} bytes of {nbytes}"
+        gen.refit(a, target="adapter")
+        assert torch.equal(gen.generate(batch, greedy=True)["output_ids"], outs[0]["output_ids"])
 
 
 @pytest.mark.gpu

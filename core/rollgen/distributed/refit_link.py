@@ -74,6 +74,8 @@ class RayLink:
             else None
         )
         self._in_place = InPlaceSources() if self._staging is not None and in_place else None
+        #: Where adapter refits pack (beside it: a weight refit's packing releases only its own).
+        self._adapter_staging = RefitStaging() if self._staging is not None else None
         #: A copy of each adapter version the engines hold (what a replacement is sent).
         self._adapters: dict[int, Named] = {}
         replicas.listen(self)
@@ -132,12 +134,27 @@ class RayLink:
             groups, lambda group, check: staging.pack(group, dtype, check), len(groups) == 1, prepare
         )
 
+    def pack_adapter(self, named: Named, dtype: torch.dtype | None, check_finite: bool) -> WeightBucket:
+        """Over CUDA IPC, where every worker reports its GPUs: into the adapter's own staging
+        buffers (made, or replaced by larger ones, the first time), which every engine rank
+        maps once; else a bucket of its own."""
+        staging = self._adapter_staging
+        if staging is None:
+            return pack_with(self.facts, [named], dtype).pack(named, check_finite)
+        devices = sorted(set(self.facts.devices))
+        need = flat_sizes([named], dtype)[0]
+        if not staging.fits(devices, need):
+            self._release_mapped(staging.keys, staging.release)
+            staging.allocate(devices, need)
+        return staging.pack(named, dtype, check_finite)
+
     def _pickled(self, bucket: WeightBucket, engine: int) -> bytes:
         """What engine ``engine`` is sent of ``bucket``: its own pickle."""
         if bucket.layout and self._in_place is not None and self._in_place.holds(bucket):
             return self._in_place.pickled(engine)
-        if bucket.layout and self._staging is not None:
-            return self._staging.pickled(bucket, self.replicas.info(engine)["devices"], engine)
+        for staging in (self._staging, self._adapter_staging):
+            if bucket.layout and staging is not None and staging.holds(bucket):
+                return staging.pickled(bucket, self.replicas.info(engine)["devices"], engine)
         return pickle.dumps(bucket)
 
     # ---- applying -------------------------------------------------------------------------------
@@ -170,7 +187,8 @@ class RayLink:
         dropped = tuple(drop)
         if self.channels:
             self.channels.call(
-                lambda i: LoadAdapter(version, self._pickled(bucket, i), dropped), self.group.call_timeout_s
+                lambda i: LoadAdapter(version, self._pickled(bucket, i), dropped, bucket.layout),
+                self.group.call_timeout_s,
             )
         else:
             args = [(version, self._pickled(bucket, i), dropped) for i in range(len(self.replicas))]
@@ -265,11 +283,17 @@ class RayLink:
 
     # ---- what refits keep -------------------------------------------------------------------------
     def release(self) -> None:
-        """Have the engines let go of the staging buffers and of the tensors read in place."""
+        """Have the engines let go of the staging buffers (the adapters' too) and of the tensors
+        read in place."""
+        adapters = self._adapter_staging
         try:
             self._release_staging()
         finally:
-            self._release_in_place()
+            try:
+                if adapters is not None:
+                    self._release_mapped(adapters.keys, adapters.release)
+            finally:
+                self._release_in_place()
 
     def _release_staging(self) -> None:
         """Have every engine let go of the staging buffers, then drop them."""

@@ -67,11 +67,13 @@ class LoadBucket(NamedTuple):
 
 class LoadAdapter(NamedTuple):
     """Free adapter versions ``drop``, then hold the pickled adapter bucket ``data`` (the whole
-    adapter, validated) as adapter ``version``."""
+    adapter, validated) as adapter ``version``; a bucket of a kept ``layout`` is unpacked once
+    (``rollgen.refit.receiver.Receiver.unpack``)."""
 
     version: int
     data: bytes
     drop: tuple[int, ...] = ()
+    layout: str = ""
 
 
 class DropAdapter(NamedTuple):

@@ -35,6 +35,9 @@ class KeptLayouts(Generic[K, V]):
     def __iter__(self) -> Iterator[K]:
         return iter(self._kept)
 
+    def values(self) -> Iterator[V]:
+        return iter(self._kept.values())
+
     def get(self, key: K) -> V | None:
         """The value kept under ``key`` (now the most recently used), or None."""
         return self._kept[key] if self.use(key) else None

@@ -84,6 +84,11 @@ class EngineLink(Protocol):
         """Load one validated bucket; then drop every cached prefix, with ``reset_prefix``."""
         ...
 
+    def pack_adapter(self, named: Named, dtype: torch.dtype | None, check_finite: bool) -> WeightBucket:
+        """The bucket an adapter refit of ``named`` (cast to ``dtype``) sends these engines,
+        its values checked with ``check_finite`` (a ``RefitError`` before anything is sent)."""
+        ...
+
     def apply_adapter(self, version: int, bucket: WeightBucket, drop: Sequence[int] = ()) -> None:
         """Free adapter versions ``drop``, then load a validated adapter (the whole of it, one
         bucket) as adapter ``version``, on every engine (one call to each for both); none serves
@@ -156,6 +161,9 @@ class InProcessLink:
         self._load(bucket.unpack())
         if reset_prefix:
             self._reset_prefix()
+
+    def pack_adapter(self, named: Named, dtype: torch.dtype | None, check_finite: bool) -> WeightBucket:
+        return pack_with(self.facts, [named], dtype).pack(named, check_finite)
 
     def apply_adapter(self, version: int, bucket: WeightBucket, drop: Sequence[int] = ()) -> None:
         if self._load_adapter is None:

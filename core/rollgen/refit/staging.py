@@ -109,12 +109,21 @@ class RefitStaging:
         targets = ipc_targets([t for _, t in named], list(self._buffers)) if named else []
         buffers = [self._buffers[device_uuid(d)] for d in targets] or list(self._buffers.values())
         bucket = WeightBucket(
-            CUDA_IPC.name, metas, dict.fromkeys(self._buffers), offsets, layout=uuid.uuid4().hex
+            CUDA_IPC.name,
+            metas,
+            dict.fromkeys(self._buffers),
+            offsets,
+            layout=uuid.uuid4().hex,
+            held=buffers[:1],  # what ``copied`` reads here
         )
         layout = _Layout(bucket, buffers, unflatten(buffers[0], metas, offsets))
         for _, old in self._layouts.keep(key, layout):  # the least recently used goes
             self._pickles = {k: v for k, v in self._pickles.items() if k[0] != id(old.bucket)}
         return layout
+
+    def holds(self, bucket: WeightBucket) -> bool:
+        """Whether ``bucket`` is one ``pack`` returned (of a layout kept here)."""
+        return any(layout.bucket is bucket for layout in self._layouts.values())
 
     def pickled(self, bucket: WeightBucket, devices: Iterable[str], receiver: int) -> bytes:
         """Receiver ``receiver``'s pickle of a bucket ``pack`` returned: with its handles of the

@@ -16,7 +16,7 @@ import torch
 
 from rollgen.errors import RefitError, StaleWeights, UnsupportedCapability, WorkerError
 from rollgen.refit.adapters import AdapterSpec, AdapterVersions, adapter_tensors
-from rollgen.refit.bucket import WeightBucket, default_bucket_bytes, grouped, named_tensors, pack_bucket
+from rollgen.refit.bucket import WeightBucket, default_bucket_bytes, grouped, named_tensors
 from rollgen.refit.checks import (
     check_against_spec,
     check_bucket_bytes,
@@ -249,14 +249,8 @@ class WeightUpdates:
                 (TensorMeta.of(n, t, dtype) for n, t in named), self.adapter_spec.weights, adapter=True
             )
             self._checked_adapter = layout
-        if check_finite:
-            require_finite(named)
-        facts = self._engines.facts
-        cast_check = check_finite and dtype is not None
-        bucket = pack_bucket(
-            named, facts.transport, dtype=dtype, check_finite=cast_check, devices=facts.devices or None
-        )
-        self._apply_adapter(bucket, mode)
+        # checked as it is packed (after the cast), before anything is sent or any sample touched
+        self._apply_adapter(self._engines.pack_adapter(named, dtype, check_finite), mode)
 
     def apply_adapter_bucket(self, bucket: WeightBucket, mode: UpdateMode) -> None:
         """Load an adapter packed elsewhere (one bucket, checked there for non-finite values)."""

@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 
 from rollgen.errors import ConfigError, RefitError
-from rollgen.refit import Receiver, WeightSpec, device_uuid
+from rollgen.refit import Named, Receiver, WeightSpec, device_uuid
 from rollgen.refit.adapters import no_lora
 from rollgen.refit.channel import ChannelServer, DropAdapter, LoadAdapter
 from rollgen.refit.checks import nonfinite
@@ -119,7 +119,9 @@ class RollgenWorkerExtension:
             if isinstance(request, LoadAdapter):
                 for old in request.drop:
                     self.rollgen_drop_adapter(old)
-                self.rollgen_take_adapter(request.version, request.data, cast(dict[str, Any], setup))
+                self.rollgen_take_adapter(
+                    request.version, request.data, cast(dict[str, Any], setup), request.layout
+                )
                 return None
             layout, data = request
             return self.rollgen_load_request(layout, data, replay)
@@ -167,17 +169,19 @@ class RollgenWorkerExtension:
         ``version`` (loaded again: replaced)."""
         self.rollgen_take_adapter(version, per_rank[self.rollgen_rank], setup)
 
-    def rollgen_take_adapter(self, version: int, data: bytes, setup: dict[str, Any]) -> None:
+    def rollgen_take_adapter(
+        self, version: int, data: bytes, setup: dict[str, Any], layout: str = ""
+    ) -> None:
         """Hold the pickled adapter bucket ``data`` as adapter ``version`` (over the RPC, or
-        this rank's refit channel)."""
-        named = pickle.loads(data).resolve().unpack()
+        this rank's refit channel; a kept ``layout``'s tensors unpacked once)."""
+        named = cast(tuple[Named, bool], self.rollgen_receiver.unpack(layout, data))[0]
         try:
             self.rollgen_write_adapter(version, named, setup)
             if self.rollgen_reloads:  # the bucket's memory is the sender's
                 self.rollgen_adapters[version] = ([(n, t.clone()) for n, t in named], setup)
         finally:
             if torch.cuda.is_available():
-                torch.cuda.synchronize()  # the sender frees the bucket once this returns
+                torch.cuda.synchronize()  # the sender reuses or frees the bucket once this returns
 
     def rollgen_drop_adapter(self, version: int) -> None:
         """Free the LoRA of adapter ``version``."""
@@ -256,7 +260,7 @@ class RollgenWorkerExtension:
             else:
                 self.rollgen_reload(named)
             if torch.cuda.is_available():
-                torch.cuda.synchronize()  # the sender frees the bucket once this returns
+                torch.cuda.synchronize()  # the sender reuses or frees the bucket once this returns
             return way
         with lora_unwrapped(self.rollgen_lora_layers):
             if not replay:
@@ -265,7 +269,7 @@ class RollgenWorkerExtension:
                 if not hasattr(self, "rollgen_load_plans"):
                     self.rollgen_load_plans = LoadPlans(bound_parameters(model))
                 way = self.rollgen_load_plans.load(named, lambda w: model.load_weights(weights=w), kept)
-        torch.cuda.synchronize()  # the sender frees the bucket once this returns
+        torch.cuda.synchronize()  # the sender reuses or frees the bucket once this returns
         return way
 
     @property
