@@ -379,3 +379,27 @@ def test_shutdown_leaves_no_processes_actors_placement_groups_or_shared_memory(d
     }
     left = sorted(f for f in mapped if Path(f).exists())
     assert not left, f"shared-memory files left behind: {left}"
+
+
+def test_an_adapter_that_fills_its_lora_slots_serves_the_merged_model(vllm_config: dict, batch: dict) -> None:
+    """An adapter of the rank vLLM's LoRA slots hold (8) fills every slot it is written to: no
+    zeroing pass (the conformance suite's rank 4 leaves part of each slot to zero). Adapters A,
+    B, A, B, A written into the two slots in turn each serve their merged model's outputs."""
+    from rollgen.conformance.checks import check_against_reference
+    from rollgen.refit.adapters import AdapterSpec
+    from rollgen.testing.reference import merged_reference, random_adapter
+
+    lora = {"rank": 8, "max_versions": 2}
+    with rollgen.create_generation({**vllm_config, "lora": lora}) as gen:
+        spec = AdapterSpec.of(lora, gen.weight_spec)
+        adapters = [random_adapter(spec, seed=s) for s in (1, 2)]
+        outs = []
+        for i in (0, 1, 0, 1, 0):
+            gen.refit(adapters[i], target="adapter")
+            outs.append(gen.generate(batch, greedy=True))
+        for i, out in zip((0, 1), outs):
+            reference = merged_reference(vllm_config["model_name"], adapters[i], spec)
+            check_against_reference(reference, out, batch, "float32")
+        for earlier, later in ((0, 2), (2, 4), (1, 3)):
+            assert torch.equal(outs[earlier]["output_ids"], outs[later]["output_ids"])
+            assert torch.allclose(outs[earlier]["logprobs"], outs[later]["logprobs"], atol=1e-6)

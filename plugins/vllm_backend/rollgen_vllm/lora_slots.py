@@ -3,8 +3,8 @@
 vLLM keeps each active LoRA in a slot of every LoRA layer's stacked buffers
 (``lora_a_stacked[i][slot]``, ``lora_b_stacked[i][slot]``), copied there from a LoRA model it
 first builds in host memory, module by module. rollgen writes a new adapter version from the
-refit's tensors into a free slot in three fused passes (zero the slot, copy A and B, scale B by
-``alpha / rank``, as vLLM scales it; the views into each slot are made once), then registers
+refit's tensors into a free slot in fused passes (zero what the copy leaves of the slot, copy A
+and B, scale B by ``alpha / rank``, as vLLM scales it; the views into each slot are made once), then registers
 the version with vLLM's LoRA manager as active in that slot, so a request naming its
 ``lora_int_id`` decodes with it and vLLM copies nothing. vLLM holds no other copy of such a
 version: rollgen never lets vLLM evict one (the engine has as many slots as
@@ -130,8 +130,9 @@ class LoraSlots:
         adapters._active_adapters[version] = None
 
     def _copy(self, index: int, named: Sequence[tuple[str, torch.Tensor]], scaling: float) -> None:
-        """Zero slot ``index`` of each layer ``named`` adapts (reset the others' as vLLM does),
-        then copy ``named`` into it and scale its B: three fused passes."""
+        """Copy ``named`` into slot ``index`` of each layer it adapts, zero the rest of that
+        slot (a smaller rank than the slot's, a part left out) and scale its B: fused passes;
+        reset the slot of the layers it leaves alone, as vLLM does."""
         grouped: dict[str, tuple[list[torch.Tensor | None], list[torch.Tensor | None]]] = {}
         for name, tensor in named:
             module, part, is_a = cast(Target, self.target(name))
@@ -144,22 +145,25 @@ class LoraSlots:
                 layer.reset_lora(index)  # a layer the adapter leaves alone
                 continue
             views = self._views(module, layer, index)
-            zero += views.slot
             a, b = grouped[module]
             if layer.tp_size > 1:  # this rank's shard, as vLLM's set_lora takes it
                 a, b = _sliced(layer, a, b)
-            for part, (a_i, b_i) in enumerate(zip(a, b, strict=True)):
-                if a_i is not None:
-                    dsts.append(views.dst(part, True, a_i.shape))
-                    srcs.append(a_i)
-                if b_i is not None:
-                    dst = views.dst(part, False, b_i.shape)
+            for part, pair in enumerate(zip(a, b, strict=True)):
+                for is_a, tensor in zip((True, False), pair):
+                    slot = views.slot(part, is_a)
+                    if tensor is None or tensor.numel() != slot.numel():
+                        zero.append(slot)  # what the copy leaves of the slot (a smaller rank)
+                    if tensor is None:
+                        continue
+                    dst = views.dst(part, is_a, tensor.shape)
                     dsts.append(dst)
-                    srcs.append(b_i)
-                    scaled.append(dst)
-        torch._foreach_zero_(zero)
+                    srcs.append(tensor)
+                    if not is_a:
+                        scaled.append(dst)
+        if zero:  # none where every part's A and B fill their slot
+            torch._foreach_zero_(zero)
         torch._foreach_copy_(dsts, srcs)
-        if scaling != 1.0:
+        if scaling != 1.0 and scaled:
             torch._foreach_mul_(scaled, scaling)
 
     def _views(self, module: str, layer: Any, index: int) -> _SlotViews:
@@ -200,14 +204,21 @@ class LoraSlots:
 
 
 class _SlotViews:
-    """Views into one slot of one LoRA layer's stacked buffers: the whole slot of each part's
-    A and B (``slot``), and where a part's A or B of a shape is copied (``dst``)."""
+    """Views into one slot of one LoRA layer's stacked buffers: the whole slot of a part's A or
+    B (``slot``), and where a part's A or B of a shape is copied (``dst``)."""
 
     def __init__(self, layer: Any, index: int) -> None:
         self.stacked = (layer.lora_a_stacked, layer.lora_b_stacked)
         self.index = index
-        self.slot: list[torch.Tensor] = [buffer[index] for buffer in (*self.stacked[0], *self.stacked[1])]
+        self._slots = {
+            (part, is_a): buffer[index]
+            for is_a, buffers in zip((True, False), self.stacked)
+            for part, buffer in enumerate(buffers)
+        }
         self._dsts: dict[tuple[int, bool, torch.Size], torch.Tensor] = {}
+
+    def slot(self, part: int, is_a: bool) -> torch.Tensor:
+        return self._slots[part, is_a]
 
     def of(self, layer: Any) -> bool:
         """Whether these view ``layer``'s buffers as they are now."""
