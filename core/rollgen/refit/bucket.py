@@ -93,12 +93,15 @@ class WeightBucket:
         """The named tensors copied into one buffer (one fused copy), in the process that
         packed this bucket (where they are: a GPU bucket's on its GPU) or received it (in host
         memory: the GPU is the sender's)."""
-        tensors = self.via.local(self)
-        if not tensors:
-            return []
         offsets = flat_offsets(m.nbytes for m in self.metas)
-        device = tensors[0].device if self.held else torch.device("cpu")
-        flat = flatten(tensors, self.metas, offsets, device)
+        if not self.metas:
+            return []
+        if self.held and self.offsets == offsets:  # its flat buffer is here: one copy of its bytes
+            flat = self.held[0][: offsets[-1]].clone()
+        else:
+            tensors = self.via.local(self)
+            device = tensors[0].device if self.held else torch.device("cpu")
+            flat = flatten(tensors, self.metas, offsets, device)
         return [(m.name, t) for m, t in zip(self.metas, unflatten(flat, self.metas, offsets), strict=True)]
 
 
