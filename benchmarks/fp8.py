@@ -13,7 +13,9 @@ weights, ``--util`` of the GPU), shut down before the next starts:
    transformers implementation, random-initialized from ``--seed`` in bf16; the refit of its
    whole state dict is timed as ``benchmarks.refit.measure`` times it (three warm-ups: the first
    through the staging buffer, then in place, recording and verifying its load plan; median of
-   ``--repeats``; once more unchecked);
+   ``--repeats``; once more unchecked); then the kept plan's replay alone, by its steps' kinds
+   (``benchmarks.vllm_ext``'s ``bench_plan_steps``: a quantizing step's gathering, kernel and
+   scale copies apart; ms);
 2. the gap over a short GRPO-style loop of ``--gap-steps`` steps: each samples ``--gap-batch``
    samples (``--gap-group`` of each prompt) at temperature 1 on the engine, and measures the
    engine's logprobs against the trainer's bf16 forward of the same weights on the GPU: NeMo-RL's
@@ -68,6 +70,7 @@ from benchmarks.common import (
     rollgen_generate,
     save_all,
 )
+from benchmarks.vllm_ext import EXTENSION
 from rollgen.output import generated_mask
 from rollgen.testing.grpo import group_advantages, policy_loss, sequence_logprobs
 from rollgen.testing.reference import agreement, teacher_forced_logprobs
@@ -101,7 +104,7 @@ def engine_config(model: str, args: argparse.Namespace, quantization: str, kv_fp
     """rollgen's config for one variant: bf16 with CUDA graphs on a GPU, fp32 eager on CPU
     (the smoke run), dummy weights."""
     gpu = torch.cuda.is_available()
-    kwargs: dict[str, Any] = {"skip_tokenizer_init": True}
+    kwargs: dict[str, Any] = {"skip_tokenizer_init": True, "worker_extension_cls": EXTENSION}
     if quantization != "none":
         kwargs["quantization"] = quantization
     if kv_fp8:
@@ -242,6 +245,9 @@ def run_variant(
         rows = refit.measure(gen, [state], [0], args.repeats, "in place" if gpu else "host")
         results["refit"] += [{**fields, **row} for row in rows]
         print_table(results["refit"][-len(rows) :], REFIT_COLUMNS)
+        plan = gen.collective_rpc("bench_plan_steps")[0][0]  # the kept plan's replay, by steps
+        results["plan"].append({**fields, **{k: 1e3 * v if k.endswith("_s") else v for k, v in plan.items()}})
+        print_table(results["plan"][-1:], list(results["plan"][-1]))
         save(args, results)
         gap_loop(gen, trainer, args, fields, results)
         del state, trainer
@@ -306,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list]:
         args.label += f"-capture{args.max_capture}"
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the driver also runs Ray
     logging.basicConfig(level=logging.INFO)
-    results: dict[str, list] = {"refit": [], "gap": [], "throughput": []}
+    results: dict[str, list] = {"refit": [], "plan": [], "gap": [], "throughput": []}
     for quantization in args.quant:
         for kv_fp8 in (False, True) if args.kv_fp8 else (False,):
             run_variant(model, args, quantization, kv_fp8, results)

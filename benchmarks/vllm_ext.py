@@ -104,6 +104,77 @@ class BenchWorkerExtension(RollgenWorkerExtension):
             "replay_s": statistics.median(times),
         }
 
+    def bench_plan_steps(self, repeats: int = 5) -> dict[str, Any]:
+        """The kept plan's replay (the last in-place or staged refit's) by the kinds of its
+        steps: the median seconds, synchronised, of the whole replay (``replay_s``), of each
+        kind's steps alone (``<Kind>_s``, with ``<Kind>_steps``), and of the quantizing steps'
+        (``rollgen_vllm.quant_plan.Quantize``) parts alone: the gathering into the scratch
+        tensor (``gather_s``), the kernels (``kernel_s``: each on what was gathered last, so
+        wrong values) and the scale copies (``scales_s``). A whole replay runs last, so the
+        weights end as the refit left them."""
+        from rollgen_vllm.quant_plan import Quantize, broadcast
+
+        kept = getattr(getattr(self, "rollgen_load_plans", None), "_kept", None)
+        if kept is None:
+            return {"replay_s": float("nan")}
+        _, _, plan, sources = kept
+        pairs = list(zip(plan.steps, sources))
+
+        def median_s(fn: Any) -> float:
+            fn()
+            times = []
+            for _ in range(repeats):
+                _synchronize()
+                start = time.perf_counter()
+                fn()
+                _synchronize()
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        out: dict[str, Any] = {"steps": len(pairs), "replay_s": median_s(lambda: plan.copy(sources))}
+        kinds: dict[str, list[tuple[Any, Any]]] = {}
+        for step, srcs in pairs:
+            kinds.setdefault(type(step).__name__, []).append((step, srcs))
+        for kind, group in kinds.items():
+            out[f"{kind}_steps"] = len(group)
+            out[f"{kind}_s"] = median_s(lambda group=group: [step.run(srcs) for step, srcs in group])
+        quantized = [(step, srcs) for step, srcs in pairs if isinstance(step, Quantize)]
+
+        def gathered(step: Quantize, srcs: list[torch.Tensor]) -> torch.Tensor:
+            """What the step's kernel reads (the gathering's work undone: views only)."""
+            direct = (
+                step.direct
+                and srcs
+                and (srcs[0].device, srcs[0].dtype)
+                == (
+                    step.out.device,
+                    step.built.dtype,
+                )
+            )
+            return srcs[0] if direct else step.views()[3]
+
+        def gather() -> None:
+            for step, srcs in quantized:
+                if gathered(step, srcs) is not srcs[0]:
+                    _, fills, dsts, _ = step.views()
+                    for fill in fills:
+                        fill.run(None)
+                    torch._foreach_copy_(dsts, srcs)
+
+        if quantized:
+            inputs = [gathered(step, srcs) for step, srcs in quantized]
+            out["gather_s"] = median_s(gather)
+            out["kernel_s"] = median_s(
+                lambda: [
+                    (step.scale.zero_(), step.kernel(step.out, x, step.scale))
+                    for (step, _), x in zip(quantized, inputs)
+                ]
+            )
+            out["scales_s"] = median_s(lambda: [broadcast(step.scale, step.scales) for step, _ in quantized])
+        plan.copy(sources)
+        _synchronize()
+        return out
+
     def bench_profile(self, start: bool, top: int = 40) -> dict[str, Any] | None:
         """A CPU profile (cProfile) of the thread that runs this worker's steps: at TP=1 the
         engine core's busy loop (scheduling, the model's launches, sampling, outputs). ``start``
