@@ -22,6 +22,7 @@ from rollgen.distributed.replicas import Replicas
 from rollgen.distributed.worker import EngineWorker
 from rollgen.errors import WorkerError
 from rollgen.refit import Named, WeightBucket, WeightSpec, channel, pack_bucket
+from rollgen.refit.bucket import FlatCopy
 from rollgen.refit.channel import DropAdapter, EngineChannels, LoadAdapter
 from rollgen.refit.in_place import InPlaceSources
 from rollgen.refit.layouts import KEPT_LAYOUTS
@@ -77,7 +78,7 @@ class RayLink:
         #: Where adapter refits pack (beside it: a weight refit's packing releases only its own).
         self._adapter_staging = RefitStaging() if self._staging is not None else None
         #: A copy of each adapter version the engines hold (what a replacement is sent).
-        self._adapters: dict[int, Named] = {}
+        self._adapters: dict[int, FlatCopy] = {}
         replicas.listen(self)
 
     @property
@@ -262,8 +263,8 @@ class RayLink:
         its actor."""
         worker, name = self.group.workers[engine], self.group.names[engine]
         host = transport_named(self.transport).host
-        for version, named in self._adapters.items():
-            adapter = pickle.dumps(pack_bucket(named, host, check_finite=False))
+        for version, kept in self._adapters.items():
+            adapter = pickle.dumps(pack_bucket(kept.named(), host, check_finite=False))
             self.group.get([worker.load_adapter.remote(version, adapter)], names=[name])
 
     def adopt(self, engine: int, buckets: Iterable[WeightBucket]) -> None:

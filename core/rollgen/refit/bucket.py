@@ -89,20 +89,34 @@ class WeightBucket:
         tensors = self.via.unpack(self, device)
         return [(m.name, t) for m, t in zip(self.metas, tensors, strict=True)]
 
-    def copied(self) -> list[tuple[str, torch.Tensor]]:
-        """The named tensors copied into one buffer (one fused copy), in the process that
-        packed this bucket (where they are: a GPU bucket's on its GPU) or received it (in host
-        memory: the GPU is the sender's)."""
+    def copied(self) -> FlatCopy:
+        """The tensors copied into one buffer of their own (one fused copy), in the process
+        that packed this bucket (where they are: a GPU bucket's on its GPU) or received it (in
+        host memory: the GPU is the sender's)."""
         offsets = flat_offsets(m.nbytes for m in self.metas)
         if not self.metas:
-            return []
+            return FlatCopy(self.metas, offsets, None)
         if self.held and self.offsets == offsets:  # its flat buffer is here: one copy of its bytes
-            flat = self.held[0][: offsets[-1]].clone()
-        else:
-            tensors = self.via.local(self)
-            device = tensors[0].device if self.held else torch.device("cpu")
-            flat = flatten(tensors, self.metas, offsets, device)
-        return [(m.name, t) for m, t in zip(self.metas, unflatten(flat, self.metas, offsets), strict=True)]
+            return FlatCopy(self.metas, offsets, self.held[0][: offsets[-1]].clone())
+        tensors = self.via.local(self)
+        device = tensors[0].device if self.held else torch.device("cpu")
+        return FlatCopy(self.metas, offsets, flatten(tensors, self.metas, offsets, device))
+
+
+@dataclass(frozen=True)
+class FlatCopy:
+    """Named tensors in one buffer of their own (``WeightBucket.copied``), laid out as they
+    are read (``named``)."""
+
+    metas: tuple[TensorMeta, ...]
+    offsets: tuple[int, ...]
+    flat: torch.Tensor | None
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        if self.flat is None:
+            return []
+        views = unflatten(self.flat, self.metas, self.offsets)
+        return [(m.name, t) for m, t in zip(self.metas, views, strict=True)]
 
 
 def as_buckets(buckets: Any) -> list[WeightBucket]:

@@ -85,6 +85,8 @@ class LoraSlots:
         self.targets: dict[str, Target | None] = {}
         #: Views into the slots, made once (slicing ~800 views a write costs milliseconds).
         self._slots: dict[tuple[str, int], _SlotViews] = {}
+        #: Each slot's write of each adapter layout (its Python per tensor costs milliseconds).
+        self._writes: dict[tuple[int, tuple[Any, ...]], _SlotWrite] = {}
 
     def target(self, name: str) -> Target | None:
         """Where the adapter tensor ``name`` (PEFT's) is written; None: not into a plain
@@ -132,39 +134,58 @@ class LoraSlots:
     def _copy(self, index: int, named: Sequence[tuple[str, torch.Tensor]], scaling: float) -> None:
         """Copy ``named`` into slot ``index`` of each layer it adapts, zero the rest of that
         slot (a smaller rank than the slot's, a part left out) and scale its B: fused passes;
-        reset the slot of the layers it leaves alone, as vLLM does."""
-        grouped: dict[str, tuple[list[torch.Tensor | None], list[torch.Tensor | None]]] = {}
-        for name, tensor in named:
+        reset the slot of the layers it leaves alone, as vLLM does. What goes where is worked
+        out once for each slot and adapter layout (names and shapes) and kept, except where
+        this rank takes a shard of each tensor (TP)."""
+        key = tuple((name, tensor.shape) for name, tensor in named)
+        write = self._writes.get((index, key))
+        if write is not None and write.current():
+            srcs = [named[i][1] for i in cast(list[int], write.order)]
+        else:
+            write, srcs = self._plan(index, named, key)
+            if write.order is not None:
+                self._writes[index, key] = write
+        write.run(index, srcs, scaling)
+
+    def _plan(
+        self, index: int, named: Sequence[tuple[str, torch.Tensor]], key: tuple[Any, ...]
+    ) -> tuple[_SlotWrite, list[torch.Tensor]]:
+        """Where each of ``named`` goes in slot ``index``, and the tensors copied there."""
+        grouped: dict[str, tuple[list[int | None], list[int | None]]] = {}
+        for n, (name, _) in enumerate(named):
             module, part, is_a = cast(Target, self.target(name))
             slices = self.layers[module].n_slices
-            pair = grouped.setdefault(module, ([None] * slices, [None] * slices))
-            pair[0 if is_a else 1][part] = tensor
-        zero, dsts, srcs, scaled = [], [], [], []
+            where = grouped.setdefault(module, ([None] * slices, [None] * slices))
+            where[0 if is_a else 1][part] = n
+        write = _SlotWrite(key)
+        srcs: list[torch.Tensor] = []
         for module, layer in self.layers.items():
             if module not in grouped:
-                layer.reset_lora(index)  # a layer the adapter leaves alone
+                write.reset.append(layer)  # a layer the adapter leaves alone
                 continue
             views = self._views(module, layer, index)
-            a, b = grouped[module]
-            if layer.tp_size > 1:  # this rank's shard, as vLLM's set_lora takes it
+            write.views.append((views, layer))
+            ia, ib = grouped[module]
+            a = [None if i is None else named[i][1] for i in ia]
+            b = [None if i is None else named[i][1] for i in ib]
+            if layer.tp_size > 1:  # this rank's shard, as vLLM's set_lora takes it: views made each time
                 a, b = _sliced(layer, a, b)
-            for part, pair in enumerate(zip(a, b, strict=True)):
-                for is_a, tensor in zip((True, False), pair):
+                write.order = None
+            for part, factors in enumerate(zip(a, b, strict=True)):
+                for is_a, tensor, i in zip((True, False), factors, (ia[part], ib[part])):
                     slot = views.slot(part, is_a)
                     if tensor is None or tensor.numel() != slot.numel():
-                        zero.append(slot)  # what the copy leaves of the slot (a smaller rank)
+                        write.zero.append(slot)  # what the copy leaves of the slot (a smaller rank)
                     if tensor is None:
                         continue
                     dst = views.dst(part, is_a, tensor.shape)
-                    dsts.append(dst)
+                    write.dsts.append(dst)
                     srcs.append(tensor)
+                    if write.order is not None:
+                        write.order.append(cast(int, i))
                     if not is_a:
-                        scaled.append(dst)
-        if zero:  # none where every part's A and B fill their slot
-            torch._foreach_zero_(zero)
-        torch._foreach_copy_(dsts, srcs)
-        if scaling != 1.0 and scaled:
-            torch._foreach_mul_(scaled, scaling)
+                        write.scaled.append(dst)
+        return write, srcs
 
     def _views(self, module: str, layer: Any, index: int) -> _SlotViews:
         """The views into slot ``index`` of ``layer`` (made again where vLLM replaced its
@@ -201,6 +222,34 @@ class LoraSlots:
         except (ValueError, RuntimeError, KeyError) as exc:
             adapters.remove_adapter(version)
             raise RefitError(f"vLLM did not take adapter version {version}: {exc}") from None
+
+
+class _SlotWrite:
+    """One adapter layout's write into one slot (``key``: its names and shapes): the layers it
+    leaves alone (``reset``), the views into the slot it zeroes, copies into (from the adapter's
+    tensors ``order``; None: shards made each time) and scales, and the views it was made of."""
+
+    def __init__(self, key: tuple[Any, ...]) -> None:
+        self.key = key
+        self.reset: list[Any] = []
+        self.views: list[tuple[_SlotViews, Any]] = []
+        self.zero: list[torch.Tensor] = []
+        self.dsts: list[torch.Tensor] = []
+        self.order: list[int] | None = []
+        self.scaled: list[torch.Tensor] = []
+
+    def current(self) -> bool:
+        """Whether the views are of the layers' buffers as they are now."""
+        return all(views.of(layer) for views, layer in self.views)
+
+    def run(self, index: int, srcs: list[torch.Tensor], scaling: float) -> None:
+        for layer in self.reset:
+            layer.reset_lora(index)
+        if self.zero:  # none where every part's A and B fill their slot
+            torch._foreach_zero_(self.zero)
+        torch._foreach_copy_(self.dsts, srcs)
+        if scaling != 1.0 and self.scaled:
+            torch._foreach_mul_(self.scaled, scaling)
 
 
 class _SlotViews:
