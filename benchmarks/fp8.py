@@ -246,7 +246,11 @@ def run_variant(
         results["refit"] += [{**fields, **row} for row in rows]
         print_table(results["refit"][-len(rows) :], REFIT_COLUMNS)
         plan = gen.collective_rpc("bench_plan_steps")[0][0]  # the kept plan's replay, by steps
-        results["plan"].append({**fields, **{k: 1e3 * v if k.endswith("_s") else v for k, v in plan.items()}})
+        ms = {
+            f"{k[:-2]}_ms" if k.endswith("_s") else k: 1e3 * v if k.endswith("_s") else v
+            for k, v in plan.items()
+        }
+        results["plan"].append({**fields, **ms})
         print_table(results["plan"][-1:], list(results["plan"][-1]))
         save(args, results)
         gap_loop(gen, trainer, args, fields, results)

@@ -496,8 +496,10 @@ def test_the_fp8_benchmark_runs_on_cpu(tmp_path) -> None:  # type: ignore[no-unt
         assert gap["tokens"] > 0 and gap["token_mult_prob_error"] < 1.01, gap
     (row,) = results["throughput"]
     assert row["batch"] == 4 and row["rollgen_tok_s"] > 0
+    (plan,) = results["plan"]  # the kept plan's replay by steps: none kept by a host refit on CPU
+    assert plan["variant"] == "none" and "replay_ms" in plan, plan
     saved = sorted(p.name for p in tmp_path.iterdir())
-    assert saved == [f"fp8_tiny_{n}.json" for n in ("gap", "refit", "throughput")]
+    assert saved == [f"fp8_tiny_{n}.json" for n in ("gap", "plan", "refit", "throughput")]
 
 
 @vllm_only
