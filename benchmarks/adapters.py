@@ -35,6 +35,7 @@ COLUMNS = [
     "adapter_ms",
     "mb_per_ms",
     "raw_add_lora_ms",
+    "check_ms",
     "pack_ms",
     "link_ms",
     "keep_ms",
@@ -98,25 +99,28 @@ def raw_add_lora_ms(model: str, dtype: str, lora: dict[str, Any], folders: list[
 
 
 #: The driver's stages of an adapter refit timed by ``driver_stages``.
-DRIVER_STAGES = ("pack_s", "link_s", "keep_s", "send_s")
+DRIVER_STAGES = ("check_s", "pack_s", "link_s", "keep_s", "send_s")
 
 
 @contextmanager
 def driver_stages(times: dict[str, float]) -> Iterator[None]:
-    """Time, within an adapter refit in this process, each synchronised: rollgen's packing of
-    the adapter into its bucket (``pack_s``: the link's ``pack_adapter``, a copy and the finite
-    check) and the link's delivery of it to the engines (``link_s``, ``apply_adapter``), and of
-    that the copy kept for a replacement (``keep_s``, ``WeightBucket.copied``) and the ranks'
-    refit channels' round trip, their load included (``send_s``, ``EngineChannels.call``). The
-    functions are wrapped for the benchmark only."""
+    """Time, within an adapter refit in this process, each synchronised: the finite check of
+    the source (``check_s``), rollgen's packing of the adapter into its bucket (``pack_s``: the
+    staging buffer's pack, or a bucket of its own) and the link's delivery of it to the engines
+    (``link_s``, ``apply_adapter``), and of that the copy kept for a replacement (``keep_s``,
+    ``WeightBucket.copied``) and the ranks' refit channels' round trip, their load included
+    (``send_s``, ``EngineChannels.call``). The functions are wrapped for the benchmark only."""
+    import rollgen.refit.link as link
+    import rollgen.refit.updates as updates
     from rollgen.distributed.refit_link import RayLink
     from rollgen.refit.bucket import WeightBucket
     from rollgen.refit.channel import EngineChannels
-    from rollgen.refit.link import InProcessLink
+    from rollgen.refit.staging import RefitStaging
 
-    wraps = [
-        (InProcessLink, "pack_adapter", "pack_s"),
-        (RayLink, "pack_adapter", "pack_s"),
+    wraps: list[tuple[Any, str, str]] = [
+        (updates, "require_finite", "check_s"),
+        (link, "pack_bucket", "pack_s"),
+        (RefitStaging, "pack", "pack_s"),
         (RayLink, "apply_adapter", "link_s"),
         (WeightBucket, "copied", "keep_s"),
         (EngineChannels, "call", "send_s"),

@@ -114,7 +114,8 @@ class BenchWorkerExtension(RollgenWorkerExtension):
         weights end as the refit left them."""
         from rollgen_vllm.quant_plan import Quantize, broadcast
 
-        kept = getattr(getattr(self, "rollgen_load_plans", None), "_kept", None)
+        plans = getattr(self, "rollgen_quant_plans", None) or getattr(self, "rollgen_load_plans", None)
+        kept = getattr(plans, "_kept", None)  # a quantized engine's plans are the quant ones
         if kept is None:
             return {"replay_s": float("nan")}
         _, _, plan, sources = kept

@@ -119,15 +119,16 @@ class RayLink:
         if in_place is not None and in_place.applies(named, dtype, facts.devices):
             pack = in_place.pack
             dp = len(self.replicas)
-            return Packing([named], lambda group, check: pack(group, dp, check), True, self._release_staging)
+            return Packing(
+                [named],
+                lambda group, check: pack(group, dp, check),
+                True,
+                lambda: self._release_stage(staging),
+            )
 
         def prepare() -> None:
             self._release_in_place()
-            need = max(flat_sizes(groups, dtype), default=0)
-            devices = sorted(set(facts.devices))
-            if not staging.fits(devices, need):
-                self._release_staging()
-                staging.allocate(devices, need)
+            self._fit(staging, groups, dtype)
             if in_place is not None:
                 in_place.note(named)
 
@@ -135,19 +136,28 @@ class RayLink:
             groups, lambda group, check: staging.pack(group, dtype, check), len(groups) == 1, prepare
         )
 
-    def pack_adapter(self, named: Named, dtype: torch.dtype | None, check_finite: bool) -> WeightBucket:
-        """Over CUDA IPC, where every worker reports its GPUs: into the adapter's own staging
-        buffers (made, or replaced by larger ones, the first time), which every engine rank
+    def adapter_packing(self, named: Named, dtype: torch.dtype | None) -> Packing:
+        """Over CUDA IPC, where every worker reports its GPUs: into the adapters' own staging
+        buffers (made, or replaced by larger ones, in ``prepare``), which every engine rank
         maps once; else a bucket of its own."""
         staging = self._adapter_staging
         if staging is None:
-            return pack_with(self.facts, [named], dtype).pack(named, check_finite)
+            return pack_with(self.facts, [named], dtype)
+        return Packing(
+            [named],
+            lambda group, check: staging.pack(group, dtype, check),
+            True,
+            lambda: self._fit(staging, [named], dtype),
+        )
+
+    def _fit(self, staging: RefitStaging, groups: list[Named], dtype: torch.dtype | None) -> None:
+        """Make ``staging``'s buffers hold the largest of ``groups`` on every engine GPU (the
+        engines let go of smaller ones first)."""
+        need = max(flat_sizes(groups, dtype), default=0)
         devices = sorted(set(self.facts.devices))
-        need = flat_sizes([named], dtype)[0]
         if not staging.fits(devices, need):
-            self._release_mapped(staging.keys, staging.release)
+            self._release_stage(staging)
             staging.allocate(devices, need)
-        return staging.pack(named, dtype, check_finite)
 
     def _pickled(self, bucket: WeightBucket, engine: int) -> bytes:
         """What engine ``engine`` is sent of ``bucket``: its own pickle."""
@@ -286,20 +296,18 @@ class RayLink:
     def release(self) -> None:
         """Have the engines let go of the staging buffers (the adapters' too) and of the tensors
         read in place."""
-        adapters = self._adapter_staging
         try:
-            self._release_staging()
+            self._release_stage(self._staging)
         finally:
             try:
-                if adapters is not None:
-                    self._release_mapped(adapters.keys, adapters.release)
+                self._release_stage(self._adapter_staging)
             finally:
                 self._release_in_place()
 
-    def _release_staging(self) -> None:
-        """Have every engine let go of the staging buffers, then drop them."""
-        if self._staging is not None:
-            self._release_mapped(self._staging.keys, self._staging.release)
+    def _release_stage(self, staging: RefitStaging | None) -> None:
+        """Have every engine let go of ``staging``'s buffers, then drop them."""
+        if staging is not None:
+            self._release_mapped(staging.keys, staging.release)
 
     def _release_in_place(self) -> None:
         """Have every engine let go of the trainer's tensors it reads in place, then forget them."""

@@ -113,6 +113,7 @@ class FlatCopy:
     flat: torch.Tensor | None
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors: views of the one buffer."""
         if self.flat is None:
             return []
         views = unflatten(self.flat, self.metas, self.offsets)

@@ -36,6 +36,7 @@ class KeptLayouts(Generic[K, V]):
         return iter(self._kept)
 
     def values(self) -> Iterator[V]:
+        """The values kept, least recently used first (their order of use unchanged)."""
         return iter(self._kept.values())
 
     def get(self, key: K) -> V | None:

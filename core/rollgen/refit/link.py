@@ -84,9 +84,10 @@ class EngineLink(Protocol):
         """Load one validated bucket; then drop every cached prefix, with ``reset_prefix``."""
         ...
 
-    def pack_adapter(self, named: Named, dtype: torch.dtype | None, check_finite: bool) -> WeightBucket:
-        """The bucket an adapter refit of ``named`` (cast to ``dtype``) sends these engines,
-        its values checked with ``check_finite`` (a ``RefitError`` before anything is sent)."""
+    def adapter_packing(self, named: Named, dtype: torch.dtype | None) -> Packing:
+        """How an adapter refit of ``named`` (cast to ``dtype``) is packed for these engines:
+        one bucket, its ``prepare`` and ``pack`` run in the update (a bucket of its own each
+        time, or staging kept for adapters)."""
         ...
 
     def apply_adapter(self, version: int, bucket: WeightBucket, drop: Sequence[int] = ()) -> None:
@@ -162,8 +163,8 @@ class InProcessLink:
         if reset_prefix:
             self._reset_prefix()
 
-    def pack_adapter(self, named: Named, dtype: torch.dtype | None, check_finite: bool) -> WeightBucket:
-        return pack_with(self.facts, [named], dtype).pack(named, check_finite)
+    def adapter_packing(self, named: Named, dtype: torch.dtype | None) -> Packing:
+        return pack_with(self.facts, [named], dtype)
 
     def apply_adapter(self, version: int, bucket: WeightBucket, drop: Sequence[int] = ()) -> None:
         if self._load_adapter is None:

@@ -6,7 +6,6 @@ weight-sync group. It talks down only, to an engine link (``rollgen.refit.link``
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
@@ -249,21 +248,30 @@ class WeightUpdates:
                 (TensorMeta.of(n, t, dtype) for n, t in named), self.adapter_spec.weights, adapter=True
             )
             self._checked_adapter = layout
-        # checked as it is packed (after the cast), before anything is sent or any sample touched
-        self._apply_adapter(self._engines.pack_adapter(named, dtype, check_finite), mode)
+        if check_finite:  # before any sample in flight is touched
+            require_finite(named)
+        cast_check = check_finite and dtype is not None  # a cast to a narrower dtype may overflow
+
+        def pack() -> WeightBucket:
+            packing = self._engines.adapter_packing(named, dtype)  # for the engines there are now
+            packing.prepare()
+            return packing.pack(named, cast_check)
+
+        self._apply_adapter(pack, mode)
 
     def apply_adapter_bucket(self, bucket: WeightBucket, mode: UpdateMode) -> None:
         """Load an adapter packed elsewhere (one bucket, checked there for non-finite values)."""
         check_against_spec(bucket.metas, self.adapter_spec.weights, adapter=True)
         check_reach(bucket, self._engines.facts.devices)
         bucket.resolve()
-        self._apply_adapter(bucket, mode)
+        self._apply_adapter(lambda: bucket, mode)
 
-    def _apply_adapter(self, bucket: WeightBucket, mode: UpdateMode) -> None:
-        """Load ``bucket`` as a new adapter version on every engine (where one dies and the
-        others survive it, on those once more); samples started from then on decode with it.
-        Under ``keep`` samples in flight finish on their version (it stays held); a version
-        that failed to load on some engine is dropped from all, as is the one freed for it."""
+    def _apply_adapter(self, pack: Callable[[], WeightBucket], mode: UpdateMode) -> None:
+        """Load the bucket ``pack()`` makes as a new adapter version on every engine (where
+        one dies and the others survive it, packed again for those); samples started from then
+        on decode with it. Under ``keep`` samples in flight finish on their version (it stays
+        held); a version that failed to load on some engine is dropped from all, as is the one
+        freed for it."""
         link, streams = self._engines, self._streams
         # both callers checked the adapter against adapter_spec, which needs the config's lora
         versions = cast(AdapterVersions, self.adapters)
@@ -273,7 +281,7 @@ class WeightUpdates:
                 versions.held.remove(old)
             versions.last += 1
             try:  # the oldest version freed in the same call to each engine
-                self._surviving(functools.partial(link.apply_adapter, versions.last, bucket, dropped))
+                self._surviving(lambda: link.apply_adapter(versions.last, pack(), dropped))
             except BaseException:  # those dropped are gone from rollgen's count: gone from every engine
                 for version in (*dropped, versions.last):
                     self._drop_quietly(version)

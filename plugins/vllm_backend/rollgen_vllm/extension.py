@@ -139,6 +139,15 @@ class RollgenWorkerExtension:
         self._rollgen_receiver = receiver
 
     @property
+    def rollgen_adapter_receiver(self) -> Receiver:
+        """This rank's end of adapter refits: the adapters' staging layout it keeps (one; apart
+        from the weights' layouts, which the driver mirrors)."""
+        receiver: Receiver | None = getattr(self, "_rollgen_adapter_receiver", None)
+        if receiver is None:
+            receiver = self._rollgen_adapter_receiver = Receiver(self.rollgen_device(), capacity=1)
+        return receiver
+
+    @property
     def rollgen_rank(self) -> int:
         return int(getattr(self, "rank", 0))
 
@@ -174,7 +183,7 @@ class RollgenWorkerExtension:
     ) -> None:
         """Hold the pickled adapter bucket ``data`` as adapter ``version`` (over the RPC, or
         this rank's refit channel; a kept ``layout``'s tensors unpacked once)."""
-        named = cast(tuple[Named, bool], self.rollgen_receiver.unpack(layout, data))[0]
+        named = cast(tuple[Named, bool], self.rollgen_adapter_receiver.unpack(layout, data))[0]
         try:
             self.rollgen_write_adapter(version, named, setup)
             if self.rollgen_reloads:  # the bucket's memory is the sender's
@@ -214,6 +223,7 @@ class RollgenWorkerExtension:
             if hasattr(self, plans):
                 getattr(self, plans).forget_kept()
         self.rollgen_receiver.release(keys)
+        self.rollgen_adapter_receiver.release(keys)
 
     def rollgen_device(self) -> torch.device:
         return self.device if torch.cuda.is_available() else torch.device("cpu")

@@ -86,7 +86,7 @@ class LoraSlots:
         #: Views into the slots, made once (slicing ~800 views a write costs milliseconds).
         self._slots: dict[tuple[str, int], _SlotViews] = {}
         #: Each slot's write of each adapter layout (its Python per tensor costs milliseconds).
-        self._writes: dict[tuple[int, tuple[Any, ...]], _SlotWrite] = {}
+        self._writes: dict[tuple[int, tuple[str, ...]], _SlotWrite] = {}
 
     def target(self, name: str) -> Target | None:
         """Where the adapter tensor ``name`` (PEFT's) is written; None: not into a plain
@@ -135,20 +135,21 @@ class LoraSlots:
         """Copy ``named`` into slot ``index`` of each layer it adapts, zero the rest of that
         slot (a smaller rank than the slot's, a part left out) and scale its B: fused passes;
         reset the slot of the layers it leaves alone, as vLLM does. What goes where is worked
-        out once for each slot and adapter layout (names and shapes) and kept, except where
-        this rank takes a shard of each tensor (TP)."""
-        key = tuple((name, tensor.shape) for name, tensor in named)
+        out once for each slot and adapter layout (its names: the driver checked their shapes
+        against the adapter spec) and kept, except where this rank takes a shard of each tensor
+        (TP)."""
+        key = tuple(name for name, _ in named)
         write = self._writes.get((index, key))
         if write is not None and write.current():
             srcs = [named[i][1] for i in cast(list[int], write.order)]
         else:
-            write, srcs = self._plan(index, named, key)
+            write, srcs = self._plan(index, named)
             if write.order is not None:
                 self._writes[index, key] = write
         write.run(index, srcs, scaling)
 
     def _plan(
-        self, index: int, named: Sequence[tuple[str, torch.Tensor]], key: tuple[Any, ...]
+        self, index: int, named: Sequence[tuple[str, torch.Tensor]]
     ) -> tuple[_SlotWrite, list[torch.Tensor]]:
         """Where each of ``named`` goes in slot ``index``, and the tensors copied there."""
         grouped: dict[str, tuple[list[int | None], list[int | None]]] = {}
@@ -157,7 +158,7 @@ class LoraSlots:
             slices = self.layers[module].n_slices
             where = grouped.setdefault(module, ([None] * slices, [None] * slices))
             where[0 if is_a else 1][part] = n
-        write = _SlotWrite(key)
+        write = _SlotWrite()
         srcs: list[torch.Tensor] = []
         for module, layer in self.layers.items():
             if module not in grouped:
@@ -225,12 +226,11 @@ class LoraSlots:
 
 
 class _SlotWrite:
-    """One adapter layout's write into one slot (``key``: its names and shapes): the layers it
-    leaves alone (``reset``), the views into the slot it zeroes, copies into (from the adapter's
-    tensors ``order``; None: shards made each time) and scales, and the views it was made of."""
+    """One adapter layout's write into one slot: the layers it leaves alone (``reset``), the
+    views into the slot it zeroes, copies into (from the adapter's tensors ``order``; None:
+    shards made each time) and scales, and the views it was made of."""
 
-    def __init__(self, key: tuple[Any, ...]) -> None:
-        self.key = key
+    def __init__(self) -> None:
         self.reset: list[Any] = []
         self.views: list[tuple[_SlotViews, Any]] = []
         self.zero: list[torch.Tensor] = []
@@ -243,6 +243,7 @@ class _SlotWrite:
         return all(views.of(layer) for views, layer in self.views)
 
     def run(self, index: int, srcs: list[torch.Tensor], scaling: float) -> None:
+        """Write ``srcs`` (in ``dsts``' order) into slot ``index``, B scaled by ``scaling``."""
         for layer in self.reset:
             layer.reset_lora(index)
         if self.zero:  # none where every part's A and B fill their slot
@@ -267,6 +268,7 @@ class _SlotViews:
         self._dsts: dict[tuple[int, bool, torch.Size], torch.Tensor] = {}
 
     def slot(self, part: int, is_a: bool) -> torch.Tensor:
+        """The whole slot of a part's A (``is_a``) or B."""
         return self._slots[part, is_a]
 
     def of(self, layer: Any) -> bool:
