@@ -1,11 +1,11 @@
 """Staging buffers: where ``refit`` packs a colocated trainer's weights (or, in a staging of
-their own, its adapters) for its engines over CUDA IPC. One persistent flat buffer per engine GPU, packed anew by every refit; each engine worker
-gets its own export of each buffer once (torch pairs an export with one receiver's mapping) and
-maps it once (``refit.IpcHandle.key``). A bucket layout seen before (a trainer refits the same
-layout every step) reuses its views of the buffers, its bucket and each receiver's pickle of it,
-so a refit after the first allocates, maps and pickles nothing: it copies. The buffers stay until
-``release`` (the generation's ``release_refit_buffers``, a larger bucket, or shutdown), after
-every receiver let them go."""
+their own, its adapters) for its engines over CUDA IPC. One persistent flat buffer per engine GPU,
+packed anew by every refit; each engine worker gets its own export of each buffer once (torch
+pairs an export with one receiver's mapping) and maps it once (``refit.IpcHandle.key``). A bucket
+layout seen before (a trainer refits the same layout every step) reuses its views of the buffers,
+its bucket and each receiver's pickle of it, so a refit after the first allocates, maps and
+pickles nothing: it copies. The buffers stay until ``release`` (the generation's
+``release_refit_buffers``, a larger bucket, or shutdown), after every receiver let them go."""
 
 from __future__ import annotations
 
