@@ -1,6 +1,9 @@
 """Adapter refit: the time of ``refit(adapter, target="adapter")`` by LoRA rank (every linear
 layer adapted) and its bytes, beside a full-weight refit of the same engine and, for vLLM, the raw
-engine's own way in the same run (``add_lora`` of the same adapter saved as a PEFT folder).
+engine's own way in the same run (``add_lora`` of the same adapter saved as a PEFT folder). The
+refits are timed whole (``adapter_ms``: the median after the first), then made again with each
+stage of the driver and of the rank timed apart (``driver_stages``, ``benchmarks.vllm_ext``):
+the stages' synchronising wrappers add time of their own, so the stages do not sum to the total.
 
     python -m benchmarks.adapters --backend hf --ranks 8 64 256 --out results/...      # CPU, tiny model
     python -m benchmarks.adapters --backend vllm --shape 1.5b --ranks 8 64 256 --out $OUT  # GPU
@@ -153,11 +156,14 @@ def measure(args: argparse.Namespace, rank: int, model: str) -> dict[str, Any]:
             {k: v.to(device) for k, v in random_adapter(spec, seed=i).items()}
             for i in range(args.repeats + 1)
         ]
-        times, stages = [], []
+        # the refits timed as a trainer makes them; then as many again, each stage timed apart
+        # (the stages' synchronising wrappers add their own time, so they time no total)
+        times = [timed(partial(gen.refit, adapter, target="adapter")) for adapter in adapters]
+        stages = []
         for adapter in adapters:
             driver: dict[str, float] = {}
             with driver_stages(driver):
-                times.append(timed(partial(gen.refit, adapter, target="adapter")))
+                gen.refit(adapter, target="adapter")
             if args.backend == "vllm":  # where the rank's share went (benchmarks.vllm_ext)
                 driver.update(cast(Any, gen).collective_rpc("bench_last_adapter")[0][0])
             stages.append(driver)
