@@ -140,31 +140,9 @@ class BenchWorkerExtension(RollgenWorkerExtension):
             out[f"{kind}_steps"] = len(group)
             out[f"{kind}_s"] = median_s(lambda group=group: [step.run(srcs) for step, srcs in group])
         quantized = [(step, srcs) for step, srcs in pairs if isinstance(step, Quantize)]
-
-        def gathered(step: Quantize, srcs: list[torch.Tensor]) -> torch.Tensor:
-            """What the step's kernel reads (the gathering's work undone: views only)."""
-            direct = (
-                step.direct
-                and srcs
-                and (srcs[0].device, srcs[0].dtype)
-                == (
-                    step.out.device,
-                    step.built.dtype,
-                )
-            )
-            return srcs[0] if direct else step.views()[3]
-
-        def gather() -> None:
-            for step, srcs in quantized:
-                if gathered(step, srcs) is not srcs[0]:
-                    _, fills, dsts, _ = step.views()
-                    for fill in fills:
-                        fill.run(None)
-                    torch._foreach_copy_(dsts, srcs)
-
         if quantized:
-            inputs = [gathered(step, srcs) for step, srcs in quantized]
-            out["gather_s"] = median_s(gather)
+            out["gather_s"] = median_s(lambda: [step.gather(srcs) for step, srcs in quantized])
+            inputs = [step.gather(srcs) for step, srcs in quantized]  # the last gathered, where shared
             out["kernel_s"] = median_s(
                 lambda: [
                     (step.scale.zero_(), step.kernel(step.out, x, step.scale))

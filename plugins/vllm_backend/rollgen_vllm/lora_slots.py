@@ -4,12 +4,12 @@ vLLM keeps each active LoRA in a slot of every LoRA layer's stacked buffers
 (``lora_a_stacked[i][slot]``, ``lora_b_stacked[i][slot]``), copied there from a LoRA model it
 first builds in host memory, module by module. rollgen writes a new adapter version from the
 refit's tensors into a free slot in fused passes (zero what the copy leaves of the slot, copy A
-and B, scale B by ``alpha / rank``, as vLLM scales it; the views into each slot are made once), then registers
-the version with vLLM's LoRA manager as active in that slot, so a request naming its
-``lora_int_id`` decodes with it and vLLM copies nothing. vLLM holds no other copy of such a
-version: rollgen never lets vLLM evict one (the engine has as many slots as
-``lora.max_versions``; rollgen frees a version before it adds one), and a version vLLM tried
-to bring back into a slot raises rather than serving the model alone.
+and B, scale B by ``alpha / rank``, as vLLM scales it; the views into each slot, and what goes
+where, are worked out once), then registers the version with vLLM's LoRA manager as active in
+that slot, so a request naming its ``lora_int_id`` decodes with it and vLLM copies nothing. vLLM
+holds no other copy of such a version: rollgen never lets vLLM evict one (the engine has as many
+slots as ``lora.max_versions``; rollgen frees a version before it adds one), and a version vLLM
+tried to bring back into a slot raises rather than serving the model alone.
 This covers plain linear LoRA layers (every projection of a dense model); an adapter of any
 other layer goes vLLM's own way (``LoraSlots``)."""
 

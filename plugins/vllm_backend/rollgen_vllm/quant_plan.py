@@ -180,21 +180,28 @@ class Quantize:
         broadcast(self.scale, self.scales)
 
     def quantize(self, sources: list[torch.Tensor], out: torch.Tensor, scale: torch.Tensor) -> None:
-        """The layer's FP8 values into ``out``, its scale into ``scale``. Its one incoming tensor
-        is read where it lies if it is on the layer's device in the layer's dtype (the loaders
-        cast a host tensor from a weight-sync group, or another dtype, as they copy)."""
-        source = sources[0] if sources else None
-        if not (
-            self.direct
-            and source is not None
-            and (source.device, source.dtype) == (out.device, self.built.dtype)
-        ):
-            _, fills, dsts, source = self.views()
-            for fill in fills:
-                fill.run(None)
-            torch._foreach_copy_(dsts, sources)
+        """The layer's FP8 values into ``out``, its scale into ``scale``."""
+        source = self.gather(sources)
         scale.zero_()  # vLLM's caller passes an empty scale: zeroed, in case a build takes a max
         self.kernel(out, source, scale)
+
+    def gather(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        """The kernel's input: the layer's one incoming tensor where it lies, if it is on the
+        layer's device in the layer's dtype (the loaders cast a host tensor from a weight-sync
+        group, or another dtype, as they copy); else its slices gathered into the scratch
+        tensor."""
+        source = sources[0] if sources else None
+        if (
+            self.direct
+            and source is not None
+            and (source.device, source.dtype) == (self.out.device, self.built.dtype)
+        ):
+            return source
+        _, fills, dsts, gathered = self.views()
+        for fill in fills:
+            fill.run(None)
+        torch._foreach_copy_(dsts, sources)
+        return gathered
 
     def views(self) -> tuple[torch.Tensor, list[ConstantWrite], list[torch.Tensor], torch.Tensor]:
         """The gathering's views of the scratch tensor as it is now (made once for each)."""
